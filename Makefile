@@ -1,0 +1,39 @@
+# Two commands on a fresh machine: `make train` (set up + default job) and `make test` (set up + tests).
+PY      := .venv/bin/python
+STAMP   := .venv/.installed
+MODEL   := .cache/models/tiny-base
+ARGS    ?=
+
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
+export RAY_AUTH_MODE := disabled
+export PYTHONUNBUFFERED := 1
+
+.PHONY: venv train test model bench clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.lock pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q setuptools wheel
+	$(PY) -m pip install -q -r requirements.lock
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+model: $(STAMP)
+	$(PY) launch/make_base_model.py --out $(MODEL)
+
+train: model
+	$(PY) launch/train.py $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests $(ARGS)
+
+bench: $(STAMP)
+	$(PY) bench/rollout.py --quick
+
+lock: $(STAMP)
+	$(PY) -m pip freeze --exclude-editable | grep -v '^-e' > requirements.lock
+
+clean:
+	rm -rf runs .pytest_cache

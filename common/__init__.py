@@ -1,0 +1,1 @@
+"""Small helpers shared by every package: errors and config validation. Imports nothing heavy."""
