@@ -1,0 +1,55 @@
+"""Cluster layout: where Ray runs and how many of each actor, with what resources."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from common.validate import check_range
+
+
+class CommBackend(str, Enum):
+    """Backend of the weight-broadcast group: gloo on CPU, nccl between GPUs."""
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+class PlacementStrategy(str, Enum):
+    PACK = "PACK"
+    SPREAD = "SPREAD"
+    STRICT_PACK = "STRICT_PACK"
+    STRICT_SPREAD = "STRICT_SPREAD"
+
+
+@dataclass
+class ClusterConfig:
+    # None: start Ray in-process on this machine, listening on 127.0.0.1 only. "auto" or
+    # "ray://host:10001": join an existing cluster (e.g. under `ray job submit` or on KubeRay).
+    address: str | None = None
+    num_cpus: int = 2                   # CPUs given to a local Ray (ignored when joining a cluster)
+    host: str = "127.0.0.1"             # address the weight-sync group's TCPStore binds to
+    weight_sync_port: int = 0           # 0: pick a free port
+    weight_sync_backend: CommBackend = CommBackend.gloo
+    weight_sync_bucket_mb: int = 64
+    # Fractional CPUs let several actors share 2 cores; Ray then sets OMP_NUM_THREADS=1 in them.
+    rollout_cpus: float = 0.5
+    scorer_cpus: float = 0.25
+    learner_cpus: float = 0.5
+    buffer_cpus: float = 0.1
+    rollout_gpus: float = 0.0
+    scorer_gpus: float = 0.0
+    learner_gpus: float = 0.0
+    # Custom Ray resources per actor, to pin pools to worker groups (KubeRay: rollout_pool/learner_pool).
+    rollout_resources: dict[str, float] = field(default_factory=dict)
+    scorer_resources: dict[str, float] = field(default_factory=dict)
+    learner_resources: dict[str, float] = field(default_factory=dict)
+    placement: PlacementStrategy = PlacementStrategy.PACK
+    temp_dir: str | None = None         # None: a fresh dir under the run's output folder
+
+    def validate(self, prefix: str = "cluster") -> None:
+        check_range(f"{prefix}.num_cpus", self.num_cpus, 1)
+        check_range(f"{prefix}.weight_sync_port", self.weight_sync_port, 0, 65535)
+        check_range(f"{prefix}.weight_sync_bucket_mb", self.weight_sync_bucket_mb, 1, 4096)
+        for name in ("rollout_cpus", "scorer_cpus", "learner_cpus", "buffer_cpus"):
+            check_range(f"{prefix}.{name}", getattr(self, name), 0.0, 64.0, lo_open=True)
+        for name in ("rollout_gpus", "scorer_gpus", "learner_gpus"):
+            check_range(f"{prefix}.{name}", getattr(self, name), 0.0, 8.0)

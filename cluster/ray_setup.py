@@ -1,0 +1,70 @@
+"""Starting or joining Ray, and placing actors with the resources the cluster config gives them."""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+from cluster.config import ClusterConfig
+
+# Environment every actor process gets: one BLAS/torch thread (2 cores are easily oversubscribed) and
+# the project's cached torch extensions (DeepSpeed compiles ops on first use otherwise).
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def worker_env() -> dict[str, str]:
+    return {
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TORCH_EXTENSIONS_DIR": os.environ.get(
+            "TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions")),
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def start_ray(cfg: ClusterConfig, run_dir: str | Path):
+    """Start an in-process Ray bound to 127.0.0.1, or join ``cfg.address``; returns the ray module.
+
+    A fresh temp dir per run: Ray leaves ``ray_current_cluster`` behind and a later init with the same
+    dir tries to join the dead cluster (PLATFORM.md).
+    """
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60 otherwise writes $HOME/.ray/auth_token
+    import ray
+
+    if ray.is_initialized():
+        return ray
+    runtime_env = {"env_vars": worker_env()}
+    if cfg.address:
+        ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=True)
+        return ray
+    temp_dir = cfg.temp_dir or tempfile.mkdtemp(prefix="ray-", dir=_short_tmp())
+    ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+             _temp_dir=temp_dir, runtime_env=runtime_env, log_to_driver=True,
+             configure_logging=False)
+    return ray
+
+
+def _short_tmp() -> str:
+    # Ray's unix sockets live under the temp dir and must stay below ~107 characters.
+    return "/tmp"
+
+
+def actor_options(cpus: float, gpus: float = 0.0, resources: dict | None = None,
+                  name: str | None = None) -> dict:
+    """Options for ``ray.remote(**opts)(Cls)``: the pool's CPUs, GPUs and custom resources."""
+    opts = {"num_cpus": cpus, "num_gpus": gpus, "max_concurrency": 1}
+    if resources:
+        opts["resources"] = dict(resources)
+    if name:
+        opts["name"] = name
+    return opts
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on ``host`` (for the weight-sync TCPStore)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

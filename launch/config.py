@@ -1,0 +1,140 @@
+"""The whole run's config: one typed dataclass per component, merged with OmegaConf.
+
+``load_config(["--config", "launch/configs/default.yaml", "rollout.kv.budget=64"])`` merges, in order,
+the dataclass defaults, the YAML preset and ``key=value`` overrides, then validates every section.
+Anything wrong (an unknown key, a wrong type, a value out of range) raises ``ConfigError`` naming the
+dotted key and what is allowed, before Ray or any model starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from actors.config import RolloutConfig, ScorerConfig
+from buffer.config import BufferConfig
+from cluster.config import ClusterConfig
+from common.errors import ConfigError
+from common.validate import check_range
+from correction.config import CorrectionConfig
+from learner.config import LearnerConfig
+from tasks.config import TaskConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"
+    seed: int = 0
+    steps: int = 20                 # learner steps (policy versions) to train
+    prompts_per_step: int = 16      # groups per learner step; each group holds rollout.samples_per_prompt
+    out_dir: str = "runs"           # metrics, checkpoints and logs go to out_dir/name
+    eval_problems: int = 256        # held-out problems scored before and after RL (0: all)
+    eval_greedy: bool = False       # False: mean accuracy of one sample at the rollout temperature
+    eval_every: int = 0             # also evaluate every N steps (0: only before and after)
+    log_every: int = 1
+
+    def validate(self, prefix: str = "run") -> None:
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"{prefix}.name", self.name, "a non-empty name without '/'")
+        check_range(f"{prefix}.steps", self.steps, 0)
+        check_range(f"{prefix}.prompts_per_step", self.prompts_per_step, 1)
+        check_range(f"{prefix}.eval_problems", self.eval_problems, 0)
+        check_range(f"{prefix}.eval_every", self.eval_every, 0)
+        check_range(f"{prefix}.log_every", self.log_every, 1)
+
+
+@dataclass
+class TrainConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    scorer: ScorerConfig = field(default_factory=ScorerConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate(f.name)
+
+
+def _allowed_keys(schema, dotted: str) -> str:
+    """The keys allowed next to an unknown ``dotted`` key, for the error message."""
+    node = schema
+    for part in dotted.split(".")[:-1]:
+        if not OmegaConf.is_dict(node) or part not in node:
+            break
+        node = node[part]
+    keys = list(node.keys()) if OmegaConf.is_dict(node) else []
+    return "one of " + ", ".join(keys) if keys else "a known key"
+
+
+def _as_config_error(err: OmegaConfBaseException, schema, source: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or "?"
+    value = getattr(err, "value", None)
+    if isinstance(err, ConfigKeyError):
+        return ConfigError(key, f"unknown key (from {source})", _allowed_keys(schema, key))
+    # OmegaConf's own message says what the type or enum allows; keep its first line.
+    msg = str(err).splitlines()[0]
+    return ConfigError(key, value, f"{msg} (from {source})")
+
+
+def _merge(schema, other, source: str):
+    try:
+        return OmegaConf.merge(schema, other)
+    except OmegaConfBaseException as err:
+        raise _as_config_error(err, schema, source) from None
+
+
+def parse_args(argv: list[str]) -> tuple[list[Path], list[str]]:
+    """Split argv into ``--config FILE`` presets and ``key=value`` overrides."""
+    files, overrides = [], []
+    it = iter(argv)
+    for arg in it:
+        if arg in ("--config", "-c"):
+            path = next(it, None)
+            if path is None:
+                raise ConfigError("--config", None, "a YAML file path after --config")
+            files.append(Path(path))
+        elif arg.startswith("--config="):
+            files.append(Path(arg.split("=", 1)[1]))
+        elif "=" in arg and not arg.startswith("-"):
+            overrides.append(arg)
+        else:
+            raise ConfigError(arg, arg, "--config FILE.yaml or key=value overrides")
+    return files, overrides
+
+
+def load_config(argv: list[str] | None = None, *, default: bool = True) -> TrainConfig:
+    """Defaults ← ``launch/configs/default.yaml`` (unless other presets are given) ← presets ← overrides."""
+    files, overrides = parse_args(list(argv or []))
+    if not files and default:
+        files = [CONFIG_DIR / "default.yaml"]
+    schema = OmegaConf.structured(TrainConfig)
+    merged = schema
+    for path in files:
+        if not path.is_file():
+            raise ConfigError("--config", str(path), "an existing YAML file")
+        merged = _merge(merged, OmegaConf.load(path), str(path))
+    if overrides:
+        for item in overrides:
+            key, _, value = item.partition("=")
+            if not key:
+                raise ConfigError(item, item, "key=value")
+        merged = _merge(merged, OmegaConf.from_dotlist(overrides), "command line")
+    try:
+        cfg: TrainConfig = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise _as_config_error(err, schema, "config") from None
+    cfg.validate()
+    return cfg
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
