@@ -1,0 +1,96 @@
+"""Weight broadcast over a standalone gloo group: 1 sender + 2 receivers in separate processes."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+
+import pytest
+import torch
+
+from cluster.weight_sync import (WeightReceiver, WeightSender, free_port, plan_buckets,
+                                 weight_spec)
+from common.modeling import checksum
+
+
+class _Net(torch.nn.Module):
+    """Mixed dtypes and odd sizes so buckets split on dtype and on size."""
+
+    def __init__(self, seed: int, wide: int = 7):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.a = torch.nn.Parameter(torch.randn(13, wide, generator=g))
+        self.b = torch.nn.Parameter(torch.randn(5, generator=g))
+        self.c = torch.nn.Parameter(torch.randn(3, 4, generator=g).to(torch.bfloat16))
+        self.d = torch.nn.Parameter(torch.randn(300, generator=g))
+
+
+def _worker(rank, world, port, seed, wide, versions, q):
+    torch.set_num_threads(1)
+    try:
+        net = _Net(seed, wide)
+        spec = weight_spec(net)
+        if rank == 0:
+            s = WeightSender("127.0.0.1", port, world, spec, bucket_bytes=256, timeout_s=30)
+            for v in versions:
+                s.send(net.named_parameters(), v)
+                with torch.no_grad():  # change weights so the second round is a real update
+                    net.a.add_(1.0)
+            q.put((rank, "ok", None))
+        else:
+            r = WeightReceiver("127.0.0.1", port, rank, world, spec, bucket_bytes=256, timeout_s=30)
+            got = []
+            for _ in versions:
+                v, named = r.receive()
+                got.append((v, checksum(named), [n for n, _ in named]))
+            q.put((rank, "ok", got))
+    except Exception as e:  # report to the parent instead of dying silently
+        q.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _run(world, wides, versions=(3, 4)):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, 100 + r, wides[r], list(versions), q))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in procs:
+        rank, status, payload = q.get(timeout=90)
+        results[rank] = (status, payload)
+    for p in procs:
+        p.join(timeout=30)
+    return results
+
+
+def test_plan_buckets_splits_on_dtype_and_size():
+    spec = weight_spec(_Net(0))
+    buckets = plan_buckets(spec, bucket_bytes=256)
+    assert all(len({spec[i][2] for i, _, _ in b.entries}) == 1 for b in buckets)
+    assert sum(len(b.entries) for b in buckets) == len(spec)
+    # 'd' (1200 bytes) is larger than a bucket and travels alone
+    assert any(b.entries == ((3, 0, 300),) for b in buckets)
+
+
+def test_broadcast_three_processes_checksums_and_version():
+    res = _run(3, wides=[7, 7, 7])
+    assert all(s == "ok" for s, _ in res.values()), res
+    sender = _Net(100)
+    expected = [checksum(sender.named_parameters())]
+    with torch.no_grad():
+        sender.a.add_(1.0)
+    expected.append(checksum(sender.named_parameters()))
+    for rank in (1, 2):
+        got = res[rank][1]
+        assert [v for v, _, _ in got] == [3, 4]
+        assert [c for _, c, _ in got] == pytest.approx(expected, rel=1e-12)
+        assert got[0][2] == ["a", "b", "c", "d"]
+
+
+def test_mismatched_spec_fails_everywhere_with_clear_error():
+    res = _run(3, wides=[7, 7, 8])  # rank 2's model differs
+    assert all(s == "error" for s, _ in res.values()), res
+    for _, msg in res.values():
+        assert "spec mismatch" in msg
+        assert "rank 2: entry 0: receiver has ['a', [13, 8]" in msg and "sender has ['a', [13, 7]" in msg
