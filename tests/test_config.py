@@ -1,0 +1,98 @@
+"""The composed config: presets load, bad input names its key, shipped YAMLs all parse."""
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from common.errors import ConfigError
+from launch.config import CONFIG_DIR, TrainConfig, load_config, parse_args
+
+REPO = Path(__file__).resolve().parent.parent
+PRESETS = sorted(CONFIG_DIR.glob("*.yaml"))
+
+
+def test_there_are_presets():
+    assert (CONFIG_DIR / "default.yaml") in PRESETS
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=[p.name for p in PRESETS])
+def test_every_preset_loads_and_validates(path):
+    cfg = load_config(["--config", str(path)])
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.run.steps >= 0
+
+
+def test_defaults_without_args_use_default_yaml():
+    a = load_config([])
+    b = load_config(["--config", str(CONFIG_DIR / "default.yaml")])
+    assert a == b
+
+
+def test_override_changes_value():
+    cfg = load_config(["run.steps=3", "rollout.temperature=0.7"])
+    assert cfg.run.steps == 3 and cfg.rollout.temperature == pytest.approx(0.7)
+
+
+def test_unknown_key_names_key_and_allowed():
+    with pytest.raises(ConfigError) as e:
+        load_config(["rollout.temprature=0.7"])
+    assert "rollout.temprature" in str(e.value)
+    assert "temperature" in str(e.value)  # the allowed keys are listed
+
+
+def test_unknown_section_names_key():
+    with pytest.raises(ConfigError, match="nosuch"):
+        load_config(["nosuch.key=1"])
+
+
+def test_wrong_type_names_key():
+    with pytest.raises(ConfigError, match="run.steps"):
+        load_config(["run.steps=many"])
+
+
+def test_bad_enum_lists_choices():
+    with pytest.raises(ConfigError) as e:
+        load_config(["rollout.kv.policy=magic"])
+    msg = str(e.value)
+    assert "rollout.kv.policy" in msg and "streaming" in msg
+
+
+def test_out_of_range_names_key():
+    with pytest.raises(ConfigError, match="rollout.temperature"):
+        load_config(["rollout.temperature=-1"])
+    with pytest.raises(ConfigError, match="run.prompts_per_step"):
+        load_config(["run.prompts_per_step=0"])
+
+
+def test_bad_yaml_key_names_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run:\n  stepz: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(["--config", str(bad)])
+    assert "run.stepz" in str(e.value) and "bad.yaml" in str(e.value)
+
+
+def test_missing_file_and_bad_arg():
+    with pytest.raises(ConfigError, match="nope.yaml"):
+        load_config(["--config", "nope.yaml"])
+    with pytest.raises(ConfigError):
+        parse_args(["--steps"])
+
+
+def test_kuberay_manifests_parse_and_pools_scale_apart():
+    cluster = yaml.safe_load((REPO / "cluster/kuberay/raycluster.yaml").read_text())
+    assert cluster["kind"] == "RayCluster"
+    groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+    assert {"rollout", "learner"} <= set(groups)
+    assert "rollout_pool" in groups["rollout"]["rayStartParams"]["resources"]
+    job = yaml.safe_load((REPO / "cluster/kuberay/rayjob.yaml").read_text())
+    assert job["kind"] == "RayJob"
+    # The job's own overrides must pass our validation.
+    args = shlex.split(job["spec"]["entrypoint"])
+    assert args[:2] == ["python", "launch/train.py"]
+    cfg = load_config([a.replace("launch/configs/", str(CONFIG_DIR) + "/") for a in args[2:]])
+    assert cfg.cluster.address == "auto"
+    assert cfg.cluster.rollout_resources == {"rollout_pool": 1.0}
