@@ -1,0 +1,87 @@
+"""TaskConfig: which task to train and evaluate on (synthetic or a prompt/label dataset file).
+
+Usable as an OmegaConf structured config: plain fields, enums with string values, no Optional
+unions beyond what OmegaConf supports. ``validate()`` names the dotted key of anything wrong.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from common.errors import ConfigError
+from common.validate import check_range
+
+
+class TaskName(str, enum.Enum):
+    """Synthetic tasks (generated from ``seed``) or ``dataset`` (a JSONL/Parquet file)."""
+
+    running_sum = "running_sum"   # write every partial sum of a labelled digit list, then the total
+    reverse = "reverse"           # write a digit string backwards
+    dataset = "dataset"           # prompt/answer rows from ``path`` with a math verifier
+
+
+class DataFormat(str, enum.Enum):
+    auto = "auto"        # from the file suffix: .jsonl/.json -> jsonl, .parquet/.pq -> parquet
+    jsonl = "jsonl"
+    parquet = "parquet"
+
+
+class AnswerFormat(str, enum.Enum):
+    """How the gold answer is stored in ``answer_field``."""
+
+    plain = "plain"      # the answer itself ("118", "\\frac{1}{2}")
+    gsm8k = "gsm8k"      # a worked solution ending in "#### N"; the answer is N
+
+
+@dataclass
+class TaskConfig:
+    name: TaskName = TaskName.running_sum
+    seed: int = 0                 # problems and the train/held-out split are a function of this
+    n_train: int = 4096           # synthetic: problems generated; dataset: cap (0 = all rows left)
+    n_heldout: int = 256          # held-out problems (dataset without heldout_path: rows set aside)
+    # Difficulty of the synthetic tasks: number of terms (digits) per problem, drawn uniformly.
+    min_terms: int = 8
+    max_terms: int = 16
+    max_digit: int = 9            # running_sum: terms are drawn from 1..max_digit
+    # Dataset kind: one file, optionally a second file for held-out problems.
+    path: str = ""
+    heldout_path: str = ""        # empty: hold out n_heldout rows of ``path`` (seeded shuffle)
+    format: DataFormat = DataFormat.auto
+    prompt_field: str = "prompt"
+    answer_field: str = "label"
+    answer_format: AnswerFormat = AnswerFormat.plain
+    # Applied to the raw prompt field; "{prompt}" keeps it as is (e.g. already chat-formatted).
+    prompt_template: str = "{prompt}"
+    skip_malformed: bool = False  # False: a malformed row stops with file:line; True: skip and count
+
+    def __post_init__(self) -> None:
+        # Plain-Python callers (tests, scripts) may pass enum values as strings, as YAML does.
+        for key, enum_cls in (("name", TaskName), ("format", DataFormat),
+                              ("answer_format", AnswerFormat)):
+            value = getattr(self, key)
+            if isinstance(value, str) and not isinstance(value, enum_cls):
+                try:
+                    setattr(self, key, enum_cls(value))
+                except ValueError:
+                    raise ConfigError(f"task.{key}", value,
+                                      "one of " + ", ".join(e.value for e in enum_cls)) from None
+
+    def validate(self, prefix: str = "task") -> None:
+        """Raise ConfigError naming ``prefix.key`` for any value out of range."""
+        k = f"{prefix}."
+        check_range(k + "n_train", self.n_train, 0)
+        check_range(k + "n_heldout", self.n_heldout, 0)
+        check_range(k + "min_terms", self.min_terms, 1, 26)
+        check_range(k + "max_terms", self.max_terms, self.min_terms, 26)
+        check_range(k + "max_digit", self.max_digit, 1, 9)
+        if self.name is TaskName.dataset:
+            if not self.path:
+                raise ConfigError(k + "path", self.path, "a JSONL or Parquet file when name=dataset")
+            for key in ("prompt_field", "answer_field"):
+                if not getattr(self, key):
+                    raise ConfigError(k + key, getattr(self, key), "a non-empty field name")
+            if "{prompt}" not in self.prompt_template:
+                raise ConfigError(k + "prompt_template", self.prompt_template,
+                                  "a string containing '{prompt}'")
+        elif self.n_train + self.n_heldout == 0:
+            raise ConfigError(k + "n_train", self.n_train, "n_train + n_heldout > 0")
