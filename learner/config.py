@@ -1,0 +1,81 @@
+"""Config of the DeepSpeed learner (``learner`` section of TrainConfig).
+
+An OmegaConf structured-config dataclass: choices are ``enum.Enum``s with string values, so YAML writes
+``dtype: bf16`` and an unknown value is rejected by OmegaConf before ``validate`` runs. The sampling
+temperature is deliberately absent: log-probs must use the rollout's (``rollout.temperature``), so the
+driver passes it to ``Learner.train_step``.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from common.errors import ConfigError
+from common.validate import check_range
+
+
+class Precision(str, enum.Enum):
+    """Training precision. bf16 keeps fp32 master weights in the optimizer (DeepSpeed bf16 mode)."""
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+class LRSchedule(str, enum.Enum):
+    CONSTANT = "constant"   # linear warmup to lr, then constant
+    COSINE = "cosine"       # linear warmup, then cosine from lr to lr * min_lr_ratio over decay_steps
+
+
+def _enum(key: str, cls: type[enum.Enum], value: object) -> enum.Enum:
+    """Coerce an Enum member or its string value to ``cls``, or raise ConfigError naming ``key``."""
+    try:
+        return cls(value.value if isinstance(value, enum.Enum) else value)
+    except ValueError:
+        raise ConfigError(key, value, "one of " + ", ".join(repr(m.value) for m in cls)) from None
+
+
+@dataclass
+class LearnerConfig:
+    """DeepSpeed ZeRO learner: optimiser, schedule, batching and data parallelism.
+
+    A train step takes every row the driver hands this learner (whole GRPO groups), splits it into
+    micro-batches of ``micro_batch_size`` rows and accumulates gradients over all of them before one
+    optimiser step, so the number of accumulation steps is derived from the batch, not configured.
+    """
+    num_learners: int = 1            # data-parallel learner processes (DeepSpeed world size)
+    zero_stage: int = 1              # ZeRO stage 0-3 (3 partitions parameters; weights are gathered)
+    dtype: Precision = Precision.FP32
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    lr_schedule: LRSchedule = LRSchedule.CONSTANT
+    warmup_steps: int = 0            # optimiser steps of linear warmup from 0
+    decay_steps: int = 1000          # cosine only: steps from the end of warmup to the floor
+    min_lr_ratio: float = 0.1        # cosine only: floor as a fraction of lr
+    micro_batch_size: int = 8        # rows per forward/backward; gradients accumulate over a step
+    grad_clip: float = 1.0           # global grad-norm clip; 0 disables
+    seed: int = 0
+    num_threads: int = 1             # torch intra-op threads per learner process (2-core machines)
+    # DeepSpeed's shared-memory all-reduce kernel for CPU is compiled on first use (~50 s, cached in
+    # TORCH_EXTENSIONS_DIR). The plain gloo all-reduce is as fast for models of a few MB, so it is off.
+    cpu_shm_comm: bool = False
+
+    def validate(self, prefix: str = "learner") -> None:
+        check_range(f"{prefix}.num_learners", self.num_learners, lo=1, hi=1024)
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"{prefix}.zero_stage", self.zero_stage, "one of 0, 1, 2, 3")
+        _enum(f"{prefix}.dtype", Precision, self.dtype)
+        _enum(f"{prefix}.lr_schedule", LRSchedule, self.lr_schedule)
+        check_range(f"{prefix}.lr", self.lr, lo=0.0, hi=1.0, lo_open=True)
+        if len(self.betas) != 2:
+            raise ConfigError(f"{prefix}.betas", list(self.betas), "two numbers in [0, 1)")
+        for i, b in enumerate(self.betas):
+            check_range(f"{prefix}.betas.{i}", b, lo=0.0, hi=1.0, hi_open=True)
+        check_range(f"{prefix}.eps", self.eps, lo=0.0, lo_open=True)
+        check_range(f"{prefix}.weight_decay", self.weight_decay, lo=0.0)
+        check_range(f"{prefix}.warmup_steps", self.warmup_steps, lo=0)
+        check_range(f"{prefix}.decay_steps", self.decay_steps, lo=1)
+        check_range(f"{prefix}.min_lr_ratio", self.min_lr_ratio, lo=0.0, hi=1.0)
+        check_range(f"{prefix}.micro_batch_size", self.micro_batch_size, lo=1)
+        check_range(f"{prefix}.grad_clip", self.grad_clip, lo=0.0)
+        check_range(f"{prefix}.num_threads", self.num_threads, lo=1, hi=256)
