@@ -10,8 +10,9 @@ Wire protocol of one ``send``/``receive`` (a collective: all ranks must call it)
   2. the weights, flattened into buckets (one dtype per bucket, at most ``bucket_bytes`` unless a
      single tensor is larger), in the order of the shared spec.
 Both sides derive the same bucket plan from the spec, so only the version travels as metadata. The
-spec itself is checked once, at construction, through the store: a receiver whose model differs from
-the sender's fails there with the first differing entry named, instead of hanging in a broadcast of
+spec itself is agreed once, at construction, through the store: the sender publishes its spec (wire
+dtypes), bucket size and backend; a receiver whose parameter names or shapes differ fails there, and
+makes every rank fail, with the first differing entry named, instead of hanging in a broadcast of
 the wrong size.
 """
 from __future__ import annotations
@@ -54,6 +55,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def _spec_json(spec: Iterable[SpecEntry]) -> str:
     return json.dumps([[n, list(s), str(d)] for n, s, d in spec])
+
+
+def _dtype(name: str) -> torch.dtype:
+    """'torch.bfloat16' -> torch.bfloat16."""
+    dtype = getattr(torch, name.rsplit(".", 1)[-1], None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"weight sync: unknown dtype {name!r} in the sender's spec")
+    return dtype
 
 
 def _spec_diff(mine: list, theirs: list) -> str | None:
@@ -99,25 +108,29 @@ def plan_buckets(spec: list[SpecEntry], bucket_bytes: int) -> list[_Bucket]:
 
 
 class _Group:
-    """Store + process group shared by sender and receivers; rank 0 hosts the store."""
+    """Store + process group shared by sender and receivers; rank 0 hosts the store.
+
+    The sender's spec, bucket size and backend are authoritative: a receiver checks names and shapes
+    against its own model, then adopts the sender's wire dtypes (a bf16 learner may feed fp32
+    actors; ``copy_`` casts on load), bucket size and backend, so only the sender needs configuring.
+    """
 
     def __init__(self, host, port, rank, world_size, spec, backend, bucket_bytes, timeout_s, key):
-        if backend not in ("gloo", "nccl"):
+        if backend not in (None, "gloo", "nccl"):
             raise ValueError(f"weight sync backend must be 'gloo' or 'nccl', got {backend!r}")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"weight sync rank {rank} outside world of size {world_size}")
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.spec = [(n, tuple(s), d) for n, s, d in spec]
-        # bucket_bytes is part of the agreed spec: both sides must cut the same buckets.
-        self.bucket_bytes = int(bucket_bytes)
-        self.buckets = plan_buckets(self.spec, self.bucket_bytes)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
-            else torch.device("cpu")
+        self.bucket_bytes = bucket_bytes
         self.timeout = timedelta(seconds=timeout_s)
         self._key = key
         self.store = dist.TCPStore(host, port, world_size, is_master=(rank == 0),
                                    timeout=self.timeout, wait_for_workers=False)
         self._agree_on_spec()
+        self.buckets = plan_buckets(self.spec, self.bucket_bytes)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
+            else torch.device("cpu")
         self.pg = self._make_pg()
 
     def _agree_on_spec(self) -> None:
@@ -127,9 +140,10 @@ class _Group:
         makes *all* ranks fail fast with the same message instead of the good ones hanging.
         """
         k = self._key
-        mine = json.loads(_spec_json(self.spec)) + [["<bucket_bytes>", [self.bucket_bytes], ""]]
         if self.rank == 0:
-            self.store.set(f"{k}/spec", json.dumps(mine))
+            meta = {"spec": json.loads(_spec_json(self.spec)), "bucket_bytes": int(self.bucket_bytes),
+                    "backend": self.backend}
+            self.store.set(f"{k}/meta", json.dumps(meta))
             problems = []
             for r in range(1, self.world_size):
                 msg = self.store.get(f"{k}/check/{r}").decode()
@@ -138,10 +152,18 @@ class _Group:
             verdict = _VERDICT_OK if not problems else "; ".join(problems)
             self.store.set(f"{k}/verdict", verdict)
         else:
-            theirs = json.loads(self.store.get(f"{k}/spec").decode())
-            diff = _spec_diff(mine, theirs)
+            meta = json.loads(self.store.get(f"{k}/meta").decode())
+            theirs = meta["spec"]
+            # names and shapes must match; dtypes are the sender's (the wire format)
+            diff = _spec_diff([e[:2] for e in json.loads(_spec_json(self.spec))],
+                              [e[:2] for e in theirs])
+            if diff is None and self.backend not in (None, meta["backend"]):
+                diff = f"receiver backend {self.backend!r}, sender backend {meta['backend']!r}"
             self.store.set(f"{k}/check/{self.rank}", diff or _VERDICT_OK)
             verdict = self.store.get(f"{k}/verdict").decode()
+            if verdict == _VERDICT_OK:
+                self.spec = [(n, tuple(shape), _dtype(d)) for n, shape, d in theirs]
+                self.bucket_bytes, self.backend = int(meta["bucket_bytes"]), meta["backend"]
         if verdict != _VERDICT_OK:
             raise ValueError(f"weight sync spec mismatch (receiver model differs from the "
                              f"learner's): {verdict}")
@@ -203,17 +225,21 @@ class WeightReceiver(_Group):
     """Rank >= 1 of the weight-sync group (a rollout or scorer actor): ``receive()``."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, spec: list[SpecEntry],
-                 backend: str = "gloo", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 timeout_s: float = 300.0, key: str = "weights"):
+                 backend: str | None = None, timeout_s: float = 300.0, key: str = "weights"):
+        """``spec`` is this actor's own ``weight_spec(model)``; ``backend=None`` adopts the sender's.
+
+        Bucket size and wire dtypes always come from the sender (see ``_Group``).
+        """
         if rank == 0:
             raise ValueError("weight sync rank 0 is the sender (learner rank 0); receivers use >= 1")
-        super().__init__(host, port, rank, world_size, spec, backend, bucket_bytes, timeout_s, key)
+        super().__init__(host, port, rank, world_size, spec, backend, None, timeout_s, key)
 
     @torch.no_grad()
     def receive(self) -> tuple[int, list[tuple[str, torch.Tensor]]]:
         """Block until the sender's next ``send``; return (version, [(name, tensor), ...]).
 
-        Tensors are views into fresh per-call buffers (on the group's device), in spec order.
+        Tensors are views into fresh per-call buffers (on the group's device), in spec order, in
+        the sender's dtypes.
         """
         header = torch.zeros(2, dtype=torch.int64, device=self.device)
         self.broadcast(header)

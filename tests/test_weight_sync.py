@@ -37,11 +37,14 @@ def _worker(rank, world, port, seed, wide, versions, q):
                     net.a.add_(1.0)
             q.put((rank, "ok", None))
         else:
-            r = WeightReceiver("127.0.0.1", port, rank, world, spec, bucket_bytes=256, timeout_s=30)
+            # receivers hold an all-fp32 model: the wire dtypes are the sender's (c is bf16)
+            spec = weight_spec(net.float())
+            r = WeightReceiver("127.0.0.1", port, rank, world, spec, timeout_s=30)
             got = []
             for _ in versions:
                 v, named = r.receive()
-                got.append((v, checksum(named), [n for n, _ in named]))
+                got.append((v, checksum(named), [n for n, _ in named],
+                            {n: str(t.dtype) for n, t in named}))
             q.put((rank, "ok", got))
     except Exception as e:  # report to the parent instead of dying silently
         q.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -83,9 +86,10 @@ def test_broadcast_three_processes_checksums_and_version():
     expected.append(checksum(sender.named_parameters()))
     for rank in (1, 2):
         got = res[rank][1]
-        assert [v for v, _, _ in got] == [3, 4]
-        assert [c for _, c, _ in got] == pytest.approx(expected, rel=1e-12)
+        assert [g[0] for g in got] == [3, 4]
+        assert [g[1] for g in got] == pytest.approx(expected, rel=1e-12)
         assert got[0][2] == ["a", "b", "c", "d"]
+        assert got[0][3]["c"] == "torch.bfloat16" and got[0][3]["a"] == "torch.float32"
 
 
 def test_mismatched_spec_fails_everywhere_with_clear_error():
