@@ -1,0 +1,139 @@
+"""Configs of the rollout and scorer actors (``rollout`` and ``scorer`` sections of TrainConfig).
+
+Dataclasses usable as OmegaConf structured configs: method choices are ``enum.Enum``s with string
+values, nested sections use ``default_factory``. ``validate(prefix)`` raises
+``common.errors.ConfigError`` naming the dotted key (e.g. ``rollout.kv.budget``).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from common.errors import ConfigError
+from common.validate import check_range
+
+
+class EngineKind(str, enum.Enum):
+    native = "native"   # actors/native: batched PyTorch engine with compressed KV (default)
+    vllm = "vllm"       # placeholder for a later issue (dense vLLM peer); not implemented yet
+
+
+class KVPolicy(str, enum.Enum):
+    dense = "dense"           # full cache
+    streaming = "streaming"   # StreamingLLM: attention sinks + recent window (Xiao et al. 2024)
+    h2o = "h2o"               # heavy hitters by accumulated attention + recent (Zhang et al. 2023)
+    snapkv = "snapkv"         # pooled attention of an observation window (Li et al. 2024)
+    rkv = "rkv"               # importance + redundancy from key similarity (Cai et al. 2025)
+
+
+class LogprobMode(str, enum.Enum):
+    processed = "processed"   # log-prob of the distribution sampled from (after top-k / top-p)
+    raw = "raw"               # log_softmax(logits / temperature), no truncation
+
+
+def _enum(key: str, cls: type[enum.Enum], value: object) -> enum.Enum:
+    """Coerce ``value`` (an Enum member or its string) to ``cls`` or raise ConfigError naming key."""
+    try:
+        return cls(value.value if isinstance(value, enum.Enum) else value)
+    except ValueError:
+        raise ConfigError(key, value, "one of " + ", ".join(repr(m.value) for m in cls)) from None
+
+
+class Dtype(str, enum.Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+def _coerce(obj, prefix: str, fields: dict) -> None:
+    """Plain-Python callers may pass enum values as strings (as YAML does): convert them."""
+    for key, cls in fields.items():
+        value = getattr(obj, key)
+        if isinstance(value, str) and not isinstance(value, cls):
+            setattr(obj, key, _enum(f"{prefix}.{key}", cls, value))
+
+
+@dataclass
+class KVConfig:
+    """KV-cache compression. Per sequence and layer at most ``budget + compress_every`` tokens are
+    stored: the cache is compressed to ``budget`` tokens whenever it fills (every ``compress_every``
+    decode steps once the budget is reached) and after prefill when the prompt exceeds the budget."""
+    policy: KVPolicy = KVPolicy.dense
+    budget: int = 512              # tokens kept per sequence, layer and KV head after compression
+    compress_every: int = 128      # N: decode steps between compressions (paper's runs: 128)
+    sink_tokens: int = 4           # streaming: first tokens always kept (attention sinks)
+    recent_ratio: float = 0.5      # h2o: share of the budget for the most recent tokens
+    obs_window: int = 8            # snapkv / rkv: last queries whose attention scores the keys
+    pool_kernel: int = 7           # snapkv / rkv: 1-D pooling kernel over attention scores (odd)
+    rkv_lambda: float = 0.1        # rkv: score = lambda * importance - (1 - lambda) * redundancy
+
+    def __post_init__(self) -> None:
+        _coerce(self, "rollout.kv", {"policy": KVPolicy})
+
+    def validate(self, prefix: str = "rollout.kv") -> None:
+        _enum(f"{prefix}.policy", KVPolicy, self.policy)
+        check_range(f"{prefix}.budget", self.budget, lo=1)
+        check_range(f"{prefix}.compress_every", self.compress_every, lo=1)
+        check_range(f"{prefix}.sink_tokens", self.sink_tokens, lo=0)
+        check_range(f"{prefix}.recent_ratio", self.recent_ratio, lo=0.0, hi=1.0)
+        check_range(f"{prefix}.obs_window", self.obs_window, lo=1)
+        check_range(f"{prefix}.pool_kernel", self.pool_kernel, lo=1)
+        if self.pool_kernel % 2 == 0:
+            raise ConfigError(f"{prefix}.pool_kernel", self.pool_kernel, "an odd integer >= 1")
+        check_range(f"{prefix}.rkv_lambda", self.rkv_lambda, lo=0.0, hi=1.0)
+        policy = _enum(f"{prefix}.policy", KVPolicy, self.policy)
+        if policy == KVPolicy.streaming and self.sink_tokens >= self.budget:
+            raise ConfigError(f"{prefix}.sink_tokens", self.sink_tokens,
+                              f"fewer than rollout budget ({self.budget}) tokens")
+        if policy in (KVPolicy.snapkv, KVPolicy.rkv) and self.obs_window > self.budget:
+            raise ConfigError(f"{prefix}.obs_window", self.obs_window,
+                              f"at most the budget ({self.budget}) tokens")
+
+
+@dataclass
+class RolloutConfig:
+    engine: EngineKind = EngineKind.native
+    model_path: str = ".cache/models/tiny-base"
+    samples_per_prompt: int = 8           # G: samples per problem (one GRPO group)
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                        # 0 = off
+    logprob_mode: LogprobMode = LogprobMode.processed
+    seed: int = 0
+    num_actors: int = 1
+    batch_size: int = 64                  # sequences generated together by one engine call
+    dtype: Dtype = Dtype.float32
+    kv: KVConfig = field(default_factory=KVConfig)
+
+    def __post_init__(self) -> None:
+        _coerce(self, "rollout", {"engine": EngineKind, "logprob_mode": LogprobMode, "dtype": Dtype})
+
+    def validate(self, prefix: str = "rollout") -> None:
+        _enum(f"{prefix}.engine", EngineKind, self.engine)
+        if not isinstance(self.model_path, str) or not self.model_path:
+            raise ConfigError(f"{prefix}.model_path", self.model_path, "a model directory path")
+        check_range(f"{prefix}.samples_per_prompt", self.samples_per_prompt, lo=1)
+        check_range(f"{prefix}.max_new_tokens", self.max_new_tokens, lo=1)
+        check_range(f"{prefix}.temperature", self.temperature, lo=0.0, lo_open=True)
+        check_range(f"{prefix}.top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        check_range(f"{prefix}.top_k", self.top_k, lo=0)
+        _enum(f"{prefix}.logprob_mode", LogprobMode, self.logprob_mode)
+        check_range(f"{prefix}.num_actors", self.num_actors, lo=1)
+        check_range(f"{prefix}.batch_size", self.batch_size, lo=1)
+        _enum(f"{prefix}.dtype", Dtype, self.dtype)
+        self.kv.validate(f"{prefix}.kv")
+
+
+@dataclass
+class ScorerConfig:
+    num_actors: int = 1
+    micro_batch: int = 16
+    dtype: Dtype = Dtype.float32
+
+    def __post_init__(self) -> None:
+        _coerce(self, "scorer", {"dtype": Dtype})
+
+    def validate(self, prefix: str = "scorer") -> None:
+        check_range(f"{prefix}.num_actors", self.num_actors, lo=1)
+        check_range(f"{prefix}.micro_batch", self.micro_batch, lo=1)
+        _enum(f"{prefix}.dtype", Dtype, self.dtype)

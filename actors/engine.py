@@ -1,0 +1,65 @@
+"""Rollout engine interface (docs/INTERFACES.md, "Rollout engine") and the engine factory.
+
+``make_engine(cfg, model_path)`` returns the engine named by ``cfg.engine``: ``native`` is the batched
+PyTorch engine of ``actors/native`` with a compressed KV cache (the default); ``vllm`` is reserved for
+a later issue and raises ``NotImplementedError`` naming ``rollout.engine``.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to sample. ``temperature == 0`` means greedy (log-probs are then of softmax(logits)).
+
+    ``logprob_mode="processed"`` records log-probs of the distribution actually sampled from (after
+    temperature, top-k and top-p); ``"raw"`` records ``log_softmax(logits / temperature)``.
+    """
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    logprob_mode: str = "processed"
+
+
+@dataclass
+class GenerationOutput:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str            # "stop" (a stop token was generated, and is included) | "length"
+    kept_ratio: float             # mean over decode steps of kept / seen tokens (1.0 for dense)
+    peak_kv_bytes: int            # most KV bytes stored for this sequence (all layers, K and V)
+    trace: list = field(default_factory=list, repr=False)  # compression events when traced
+
+
+class Engine(Protocol):
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]: ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None: ...
+
+    def state_checksum(self) -> float: ...
+
+
+def make_engine(cfg, model_path: str | None = None) -> Engine:
+    """Build the engine named by ``cfg.engine`` (a ``RolloutConfig``) for the model at model_path."""
+    from actors.config import EngineKind
+    from common.errors import ConfigError
+
+    kind = EngineKind(cfg.engine.value if hasattr(cfg.engine, "value") else cfg.engine)
+    path = model_path or cfg.model_path
+    if kind == EngineKind.native:
+        from actors.native import NativeEngine
+
+        return NativeEngine.from_config(cfg, path)
+    if kind == EngineKind.vllm:
+        raise NotImplementedError(
+            "rollout.engine='vllm' is not implemented yet (a later issue); use rollout.engine=native")
+    raise ConfigError("rollout.engine", cfg.engine, "'native'")

@@ -1,0 +1,263 @@
+"""Batched native generation engine with a compressed KV cache (the default rollout engine).
+
+One call to ``generate`` runs the prompts in batches of ``batch_size``. Per batch:
+
+1. Prefill: prompts are right-padded to the longest; every row gets positions 0..L_b-1, a causal mask
+   over its own valid tokens, and its first token is sampled from the logits at L_b-1 (padding never
+   enters the cache: row b simply has ``n[b] = L_b`` valid slots). A prompt longer than the budget is
+   compressed right after prefill (SnapKV-style prompt compression; the prompt's own forward pass is
+   dense, its full KV exists only transiently inside one layer's computation).
+2. Decode: each step appends one token per row at slot ``n[b]``; a row whose cache is full
+   (``n == budget + compress_every``) is first compressed to ``budget`` tokens by its KV policy, so
+   compression happens every ``compress_every`` decode steps and no row stores more than
+   ``budget + compress_every`` tokens per layer. Rows that emit a stop token or reach
+   ``max_new_tokens`` leave the batch at once (the cache rows are dropped).
+
+Log-probs are those of the distribution each token was sampled from (``sampling.py``).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+
+from actors.config import KVConfig, KVPolicy
+from actors.engine import GenerationOutput, SamplingParams
+from actors.native import policies
+from actors.native.kvcache import KVStore
+from actors.native.model import Decoder, attend
+from actors.native.sampling import sample
+
+
+class NativeEngine:
+    def __init__(self, model, kv: KVConfig | None = None, batch_size: int = 64, trace: bool = False):
+        self.model = model
+        self.dec = Decoder(model)
+        self.kv = kv or KVConfig()
+        self.kv.validate("rollout.kv")
+        self.policy = KVPolicy(self.kv.policy)
+        self.batch_size = batch_size
+        self.trace = trace        # record compression events (kept positions) for tests
+        self.version = 0
+        self.last_stats: dict = {}
+
+    @classmethod
+    def from_config(cls, cfg, model_path: str) -> "NativeEngine":
+        from common.modeling import load_model
+
+        dtype = getattr(torch, getattr(cfg.dtype, "value", cfg.dtype))
+        return cls(load_model(model_path, dtype=dtype), cfg.kv, cfg.batch_size)
+
+    # ---- weights -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        params = dict(self.model.named_parameters())
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"load_weights: model has no parameter {name!r}")
+            params[name].copy_(tensor.to(params[name].dtype))
+        self.version = version
+
+    def state_checksum(self) -> float:
+        from common.modeling import checksum
+
+        return checksum(self.model.named_parameters())
+
+    # ---- generation ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator().manual_seed(int(params.seed))
+        outs: list[GenerationOutput] = []
+        stats = {"allocated_kv_bytes": 0, "peak_kv_bytes": 0, "tokens": 0, "time_s": 0.0}
+        for start in range(0, len(prompts), self.batch_size):
+            t0 = time.perf_counter()
+            batch_outs, allocated = self._generate_batch(prompts[start:start + self.batch_size],
+                                                         params, gen)
+            stats["time_s"] += time.perf_counter() - t0
+            stats["allocated_kv_bytes"] = max(stats["allocated_kv_bytes"], allocated)
+            stats["peak_kv_bytes"] = max(stats["peak_kv_bytes"],
+                                         sum(o.peak_kv_bytes for o in batch_outs))
+            stats["tokens"] += sum(len(o.response_ids) for o in batch_outs)
+            outs.extend(batch_outs)
+        self.last_stats = stats
+        return outs
+
+    def _capacity(self, lmax: int, max_new: int) -> int:
+        if self.policy == KVPolicy.dense:
+            return lmax + max_new
+        return min(self.kv.budget + self.kv.compress_every, lmax + max_new)
+
+    def _generate_batch(self, prompts, params: SamplingParams, gen):
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("native engine: empty prompt (every prompt needs at least one token)")
+        b = len(prompts)
+        lens = torch.tensor([len(p) for p in prompts])
+        cap = self._capacity(int(lens.max()), params.max_new_tokens)
+        store = KVStore(self.dec.n_layers, b, self.dec.n_kv, self.dec.n_heads, self.dec.head_dim,
+                        cap, self.dec.dtype, need_acc=self.policy == KVPolicy.h2o,
+                        obs_window=self.kv.obs_window if self.policy in (KVPolicy.snapkv,
+                                                                         KVPolicy.rkv) else 0)
+        st = _BatchState(prompts, store, self.trace)
+        logits = self._prefill(prompts, lens, store, st)
+        seen = lens.clone()
+        stop = set(int(t) for t in params.stop_token_ids)
+        while True:
+            tok, lp = sample(logits, params.temperature, params.top_k, params.top_p,
+                             params.logprob_mode, gen)
+            alive = st.record(tok, lp, stop, params.max_new_tokens)
+            if not alive.any():
+                break
+            if not alive.all():
+                rows = alive.nonzero().squeeze(-1)
+                store.keep_rows(rows)
+                st.keep_rows(rows)
+                tok, seen = tok[rows], seen[rows]
+            full = (store.n >= store.cap).nonzero().squeeze(-1)
+            if full.numel():
+                self._compress(store, full, seen, st)
+            logits = self._decode_step(tok, seen, store)
+            st.account(store.n, seen + 1)
+            seen = seen + 1
+        return st.outputs(store.bytes_per_token), store.allocated_bytes()
+
+    def _prefill(self, prompts, lens: torch.Tensor, store: KVStore, st) -> torch.Tensor:
+        dec, b, lmax = self.dec, len(prompts), int(lens.max())
+        ids = torch.zeros(b, lmax, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, :len(p)] = torch.tensor(p)
+        positions = torch.arange(lmax).expand(b, lmax)
+        valid = positions < lens[:, None]
+        mask = (torch.ones(lmax, lmax, dtype=torch.bool).tril()[None] & valid[:, None, :])
+        mask = mask[:, None, None]                                  # [B,1,1,T,S]
+        x = dec.embed(ids)
+        cos, sin = dec.rope(x, positions)
+        compress = (lens > self.kv.budget) if self.policy != KVPolicy.dense else lens < 0
+        rows = compress.nonzero().squeeze(-1)
+        need_probs = self.policy == KVPolicy.h2o or bool(rows.numel()) and self.policy in (
+            KVPolicy.snapkv, KVPolicy.rkv)
+        kept = []
+        for i in range(dec.n_layers):
+            q, k, v = dec.qkv(i, x, cos, sin)
+            out, probs = attend(q, k, v, mask, dec.scaling, want_probs=need_probs)
+            pos = positions[:, None, :].expand(-1, dec.n_kv, -1)
+            acc = None
+            if self.policy == KVPolicy.h2o:      # padded query rows must not add attention mass
+                acc = (probs * valid[:, None, None, :, None]).sum(dim=(2, 3))
+            # A prompt longer than the budget is compressed layer by layer: only this layer's full
+            # prompt KV exists (in `tmp`) before it is cut to the budget.
+            dst = store if not rows.numel() else KVStore(
+                1, b, dec.n_kv, dec.n_heads, dec.head_dim, lmax, dec.dtype,
+                need_acc=store.acc is not None, obs_window=store.obs_window)
+            j = i if dst is store else 0
+            dst.write(j, k, v, pos, acc)
+            if dst.qwin is not None:
+                self._fill_window(dst, j, q, lens)
+            if dst is not store:
+                dst.n = lens.clone()
+                kept.append(self._compress_layer(dst, 0, rows, lens[rows]))
+                store.copy_layer_from(i, dst, 0, min(lmax, store.cap))
+            x = dec.finish(i, x, out)
+        store.n = lens.clone()
+        if rows.numel():
+            store.n[rows] = self.kv.budget
+            st.compressed(rows, lens[rows] - 1, torch.stack(kept, dim=1))
+        last = x[torch.arange(b), lens - 1]
+        st.account(store.n.clone(), lens.clone(), first=True)
+        return dec.logits(last)
+
+    def _fill_window(self, store: KVStore, i: int, q: torch.Tensor, lens: torch.Tensor) -> None:
+        w = store.obs_window
+        for r in range(q.shape[0]):
+            lo = max(0, int(lens[r]) - w)
+            for p in range(lo, int(lens[r])):
+                store.qwin[i][r, :, p % w] = q[r, :, p]
+
+    def _decode_step(self, tok: torch.Tensor, seen: torch.Tensor, store: KVStore) -> torch.Tensor:
+        dec = self.dec
+        x = dec.embed(tok[:, None])
+        cos, sin = dec.rope(x, seen[:, None])
+        n1 = store.n + 1
+        s = int(n1.max())
+        mask = (torch.arange(s)[None] < n1[:, None])[:, None, None, None, :]
+        want = self.policy == KVPolicy.h2o
+        for i in range(dec.n_layers):
+            q, k, v = dec.qkv(i, x, cos, sin)
+            store.append(i, k, v, seen)
+            store.push_query(i, q, seen)
+            out, probs = attend(q, store.k[i][:, :, :s], store.v[i][:, :, :s], mask, dec.scaling,
+                                want_probs=want)
+            if want:
+                store.acc[i][:, :, :s] += probs.sum(dim=(2, 3))
+            x = dec.finish(i, x, out)
+        store.n = n1
+        return dec.logits(x[:, 0])
+
+    def _compress_layer(self, store: KVStore, i: int, rows: torch.Tensor,
+                        seen: torch.Tensor) -> torch.Tensor:
+        """Cut layer i of the given rows to ``budget`` slots chosen by the policy; returns the kept
+        absolute positions [R,Hkv,budget]. ``seen`` [R]: tokens processed by each of those rows."""
+        view = policies.layer_view(store, i, rows, seen, self.dec)
+        idx = policies.select(self.policy, self.kv, self.kv.budget, view)
+        store.gather_rows(i, rows, idx)
+        return store.pos[i][rows, :, :self.kv.budget].clone()
+
+    def _compress(self, store: KVStore, rows: torch.Tensor, seen: torch.Tensor, st) -> None:
+        """Compress the given rows of every layer to ``budget`` slots (decode time)."""
+        kept = [self._compress_layer(store, i, rows, seen[rows]) for i in range(self.dec.n_layers)]
+        store.n[rows] = self.kv.budget
+        st.compressed(rows, seen[rows] - 1, torch.stack(kept, dim=1))
+
+
+class _BatchState:
+    """Per-row bookkeeping of a batch: tokens, log-probs, finish reasons, kept ratio, peak KV."""
+
+    def __init__(self, prompts, store: KVStore, trace: bool):
+        self.prompts = prompts
+        b = len(prompts)
+        self.ids = list(range(b))                 # original index of each live row
+        self.tokens = [[] for _ in range(b)]
+        self.logps = [[] for _ in range(b)]
+        self.reason = ["length"] * b
+        self.kept_sum = [0.0] * b
+        self.steps = [0] * b
+        self.peak = [0] * b
+        self.trace = [[] for _ in range(b)] if trace else None
+
+    def record(self, tok, lp, stop: set, max_new: int) -> torch.Tensor:
+        alive = torch.ones(len(self.ids), dtype=torch.bool)
+        for r, orig in enumerate(self.ids):
+            t = int(tok[r])
+            self.tokens[orig].append(t)
+            self.logps[orig].append(float(lp[r]))
+            if t in stop:
+                self.reason[orig] = "stop"
+                alive[r] = False
+            elif len(self.tokens[orig]) >= max_new:
+                alive[r] = False
+        return alive
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self.ids = [self.ids[int(r)] for r in rows]
+
+    def account(self, n: torch.Tensor, attended_dense: torch.Tensor, first: bool = False) -> None:
+        """After a forward: row r attended n[r] keys where dense would attend attended_dense[r]."""
+        for r, orig in enumerate(self.ids):
+            self.kept_sum[orig] += 1.0 if first else float(n[r]) / float(attended_dense[r])
+            self.steps[orig] += 1
+            self.peak[orig] = max(self.peak[orig], int(n[r]))
+
+    def compressed(self, rows, after_pos, kept_pos) -> None:
+        if self.trace is not None:
+            for j, r in enumerate(rows.tolist()):
+                self.trace[self.ids[r]].append((int(after_pos[j]), kept_pos[j]))
+
+    def outputs(self, bytes_per_token: int) -> list[GenerationOutput]:
+        return [GenerationOutput(
+            prompt_ids=list(self.prompts[o]), response_ids=self.tokens[o], logprobs=self.logps[o],
+            finish_reason=self.reason[o], kept_ratio=self.kept_sum[o] / max(1, self.steps[o]),
+            peak_kv_bytes=self.peak[o] * bytes_per_token,
+            trace=self.trace[o] if self.trace is not None else [])
+            for o in range(len(self.prompts))]

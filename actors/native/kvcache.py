@@ -1,0 +1,86 @@
+"""Preallocated, compressible KV cache for a batch of sequences.
+
+Per layer: keys and values ``[B, Hkv, cap, D]`` (keys stored after RoPE), the absolute position of
+every slot ``[B, Hkv, cap]`` (per KV head, because score-based policies keep different tokens in
+different heads), plus what the policy needs: accumulated attention (H2O) and a ring of the last
+``obs_window`` queries (SnapKV, R-KV). ``n[b]`` slots of row b are valid in every layer and head; slots
+are kept in increasing position order. Capacity is ``budget + compress_every`` for compressing
+policies, so no row ever stores more than that many tokens per layer (not a mask over a full cache).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVStore:
+    def __init__(self, n_layers: int, batch: int, n_kv: int, n_heads: int, head_dim: int, cap: int,
+                 dtype: torch.dtype, need_acc: bool = False, obs_window: int = 0):
+        shape = (batch, n_kv, cap, head_dim)
+        self.cap, self.dtype = cap, dtype
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
+        self.pos = [torch.zeros(batch, n_kv, cap, dtype=torch.long) for _ in range(n_layers)]
+        self.acc = [torch.zeros(batch, n_kv, cap) for _ in range(n_layers)] if need_acc else None
+        self.obs_window = obs_window
+        self.qwin = ([torch.zeros(batch, n_heads, obs_window, head_dim, dtype=dtype)
+                      for _ in range(n_layers)] if obs_window else None)
+        self.n = torch.zeros(batch, dtype=torch.long)
+        self.bytes_per_token = 2 * n_layers * n_kv * head_dim * torch.finfo(dtype).bits // 8
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the preallocated key and value tensors (all rows and layers)."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Drop finished sequences: keep only the given batch rows (in that order)."""
+        sel = lambda ts: None if ts is None else [t.index_select(0, rows) for t in ts]  # noqa: E731
+        self.k, self.v, self.pos = sel(self.k), sel(self.v), sel(self.pos)
+        self.acc, self.qwin = sel(self.acc), sel(self.qwin)
+        self.n = self.n.index_select(0, rows)
+
+    def write(self, i: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+              acc: torch.Tensor | None = None) -> None:
+        """Write slots [0, S) of layer i for every row (prefill). k, v [B,Hkv,S,D]; pos [B,Hkv,S]."""
+        s = k.shape[2]
+        self.k[i][:, :, :s] = k
+        self.v[i][:, :, :s] = v
+        self.pos[i][:, :, :s] = pos
+        if self.acc is not None and acc is not None:
+            self.acc[i].zero_()
+            self.acc[i][:, :, :s] = acc
+
+    def append(self, i: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Write one token per row at slot n[b] of layer i. k, v [B,Hkv,1,D]; pos [B]."""
+        rows = torch.arange(k.shape[0])
+        self.k[i][rows, :, self.n] = k[:, :, 0]
+        self.v[i][rows, :, self.n] = v[:, :, 0]
+        self.pos[i][rows, :, self.n] = pos[:, None]
+        if self.acc is not None:
+            self.acc[i][rows, :, self.n] = 0.0
+
+    def push_query(self, i: int, q: torch.Tensor, pos: torch.Tensor) -> None:
+        """Remember the rotated query [B,Hq,1,D] of position pos [B] in the observation ring."""
+        if self.qwin is not None:
+            rows = torch.arange(q.shape[0])
+            self.qwin[i][rows, :, pos % self.obs_window] = q[:, :, 0]
+
+    def gather_rows(self, i: int, rows: torch.Tensor, idx: torch.Tensor) -> None:
+        """Compact layer i of the given rows to the slots idx [R,Hkv,K] (sorted); slots [0,K)."""
+        kk = idx.shape[-1]
+        for store in (self.k, self.v):
+            t = store[i][rows]
+            store[i][rows, :, :kk] = t.gather(2, idx[..., None].expand(-1, -1, -1, t.shape[-1]))
+        self.pos[i][rows, :, :kk] = self.pos[i][rows].gather(2, idx)
+        if self.acc is not None:
+            self.acc[i][rows, :, :kk] = self.acc[i][rows].gather(2, idx)
+
+    def copy_layer_from(self, i: int, other: "KVStore", j: int, s: int) -> None:
+        """Copy slots [0, s) of other's layer j into layer i (after prefill compression)."""
+        self.k[i][:, :, :s] = other.k[j][:, :, :s]
+        self.v[i][:, :, :s] = other.v[j][:, :, :s]
+        self.pos[i][:, :, :s] = other.pos[j][:, :, :s]
+        if self.acc is not None:
+            self.acc[i].zero_()
+            self.acc[i][:, :, :s] = other.acc[j][:, :, :s]
+        if self.qwin is not None:
+            self.qwin[i].copy_(other.qwin[j])

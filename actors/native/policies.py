@@ -1,0 +1,149 @@
+"""Which KV slots each policy keeps when a row's cache is cut to ``budget`` tokens.
+
+Every policy scores the valid slots of one layer, per KV head, forces some slots to stay and keeps the
+``budget`` best (``_keep``); slots stay sorted by absolute position. Granularity: selection is per
+layer and per KV head (heads keep different tokens; every head keeps exactly ``budget``). With grouped
+query attention the query heads of a group are combined as noted per policy.
+
+- StreamingLLM (Xiao et al., ICLR 2024, "Efficient Streaming Language Models with Attention Sinks"):
+  keep the first ``sink_tokens`` tokens of the sequence (attention sinks) and the most recent
+  ``budget - sink_tokens``. Same tokens in every head and layer. Positions are not re-numbered (see
+  ``model.py``): we keep absolute RoPE positions.
+- H2O (Zhang et al., NeurIPS 2023, "Heavy-Hitter Oracle"): every token accumulates the attention it
+  receives from all later queries (summed over the query heads of its KV group); keep the most recent
+  ``round(budget * recent_ratio)`` tokens plus the heavy hitters with the largest accumulated score.
+  The paper evicts one token per step; we evict in bulk every ``compress_every`` steps.
+- SnapKV (Li et al., NeurIPS 2024): the last ``obs_window`` queries (the observation window) attend
+  to all visible keys (causal, softmax over all keys); the probabilities are summed over the window,
+  averaged over the query heads of the group, smoothed with a 1-D average pool of ``pool_kernel``
+  (as in the reference code) and the top ``budget - obs_window`` keys are kept with the window.
+  SnapKV defines prompt compression; we apply the same rule at every decode-time compression.
+- R-KV (Cai et al., 2025, "Redundancy-aware KV Cache Compression for Reasoning Models"): importance
+  = attention of the last ``obs_window`` queries (logits max-pooled over the query heads of the group,
+  softmax over the keys outside the window, mean over the window, 1-D max pool); redundancy = per
+  key, the mean cosine similarity of the other keys to it (diagonal zeroed; for every key its most
+  recent similar key, cos > 0.5, is not counted), softmax over keys. score = lambda * importance -
+  (1 - lambda) * redundancy; keep the top ``budget - obs_window`` plus the window.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from actors.config import KVConfig, KVPolicy
+
+RKV_SIM_THRESHOLD = 0.5
+
+
+@dataclass
+class LayerView:
+    """One layer of the rows being compressed. S slots, of which the first n[r] are valid."""
+    keys: torch.Tensor                 # [R,Hkv,S,D] (after RoPE)
+    pos: torch.Tensor                  # [R,Hkv,S] absolute positions
+    n: torch.Tensor                    # [R]
+    acc: torch.Tensor | None = None    # [R,Hkv,S] accumulated attention (H2O)
+    win: torch.Tensor | None = None    # [R,Hkv,g,w,S] window logits, -inf where not visible
+
+
+def layer_view(store, i: int, rows: torch.Tensor, seen: torch.Tensor, dec) -> LayerView:
+    """Build the view of layer i for rows; seen [R] = tokens processed by each row so far."""
+    keys, pos, n = store.k[i][rows], store.pos[i][rows], store.n[rows]
+    acc = store.acc[i][rows] if store.acc is not None else None
+    win = None
+    if store.qwin is not None:
+        win = window_logits(store.qwin[i][rows], seen, keys, pos, n, dec.scaling)
+    return LayerView(keys, pos, n, acc, win)
+
+
+def window_logits(q: torch.Tensor, seen: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor,
+                  n: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Logits of the ring of the last w queries q [R,Hq,w,D] (slot j holds the position p with
+    p % w == j) against keys [R,Hkv,S,D]; -inf where the key is invalid or in the query's future."""
+    r, hq, w, d = q.shape
+    hkv, s = keys.shape[1], keys.shape[2]
+    last = seen - 1
+    qpos = last[:, None] - ((last[:, None] - torch.arange(w)[None]) % w)          # [R,w]
+    logits = torch.matmul(q.view(r, hkv, hq // hkv, w, d).float(),
+                          keys.unsqueeze(2).transpose(-1, -2).float()) * scaling
+    valid = torch.arange(s)[None] < n[:, None]                                      # [R,S]
+    vis = (valid[:, None, None, None, :] & (pos[:, :, None, None, :] <= qpos[:, None, None, :, None])
+           & (qpos >= 0)[:, None, None, :, None])
+    return logits.masked_fill(~vis, float("-inf"))
+
+
+def select(policy: KVPolicy, kv: KVConfig, budget: int, view: LayerView) -> torch.Tensor:
+    """Slots to keep, [R,Hkv,budget], sorted. Requires n[r] >= budget for every row."""
+    policy = KVPolicy(policy)
+    if policy == KVPolicy.streaming:
+        s = view.keys.shape[2]
+        recency = torch.arange(s, dtype=torch.float32).expand(view.pos.shape)
+        return _keep(recency, view.n, budget, first=kv.sink_tokens, last=0)
+    if policy == KVPolicy.h2o:
+        return _keep(view.acc, view.n, budget, first=0, last=round(budget * kv.recent_ratio))
+    if policy == KVPolicy.snapkv:
+        return _keep(snapkv_scores(view.win, kv.pool_kernel), view.n, budget, 0, kv.obs_window)
+    if policy == KVPolicy.rkv:
+        scores = rkv_scores(view.win, view.keys, view.n, kv.obs_window, kv.pool_kernel,
+                            kv.rkv_lambda)
+        return _keep(scores, view.n, budget, 0, kv.obs_window)
+    raise ValueError(f"no selection rule for KV policy {policy!r}")
+
+
+def _keep(scores: torch.Tensor, n: torch.Tensor, budget: int, first: int, last: int) -> torch.Tensor:
+    """Top-``budget`` valid slots by score, always keeping the first ``first`` and last ``last``."""
+    s = scores.shape[-1]
+    slot = torch.arange(s)[None, None]
+    nn_ = n[:, None, None]
+    valid = slot < nn_
+    forced = valid & ((slot < first) | (slot >= nn_ - last))
+    scores = scores.float().masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
+    return scores.topk(budget, dim=-1).indices.sort(dim=-1).values
+
+
+def snapkv_scores(win: torch.Tensor, kernel: int) -> torch.Tensor:
+    """[R,Hkv,g,w,S] window logits -> pooled attention votes [R,Hkv,S]."""
+    probs = torch.softmax(win, dim=-1).nan_to_num(0.0)        # queries that see nothing give 0
+    votes = probs.sum(dim=3).mean(dim=2)
+    return _pool1d(votes, kernel, "avg")
+
+
+def rkv_scores(win: torch.Tensor, keys: torch.Tensor, n: torch.Tensor, w: int, kernel: int,
+               lam: float) -> torch.Tensor:
+    """R-KV final score [R,Hkv,S] = lam * importance - (1 - lam) * redundancy."""
+    s = keys.shape[2]
+    slot = torch.arange(s)[None, None, None, None]
+    in_window = slot >= (n[:, None, None, None, None] - w)
+    logits = win.amax(dim=2, keepdim=True).masked_fill(in_window, float("-inf"))
+    importance = torch.softmax(logits, dim=-1).nan_to_num(0.0).mean(dim=3).squeeze(2)
+    importance = _pool1d(importance, kernel, "max")
+    return lam * importance - (1.0 - lam) * redundancy(keys, n)
+
+
+def redundancy(keys: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """R-KV redundancy [R,Hkv,S] from key cosine similarity (invalid slots excluded)."""
+    s = keys.shape[2]
+    valid = torch.arange(s)[None] < n[:, None]                               # [R,S]
+    k = F.normalize(keys.float(), dim=-1, eps=1e-8)
+    sim = torch.matmul(k, k.transpose(-1, -2))                               # [R,Hkv,S(i),S(j)]
+    pair = valid[:, None, :, None] & valid[:, None, None, :] & ~torch.eye(s, dtype=torch.bool)
+    sim = sim.masked_fill(~pair, 0.0)
+    similar = sim > RKV_SIM_THRESHOLD
+    latest = torch.where(similar, torch.arange(s), -1).amax(dim=-1, keepdim=True)   # [R,Hkv,S,1]
+    drop = (torch.arange(s) == latest) & (latest >= 0)
+    sim = sim.masked_fill(drop, 0.0)
+    mean_sim = sim.sum(dim=-2) / n[:, None, None].float()
+    return torch.softmax(mean_sim.masked_fill(~valid[:, None], float("-inf")), dim=-1)
+
+
+def _pool1d(x: torch.Tensor, kernel: int, how: str) -> torch.Tensor:
+    if kernel <= 1:
+        return x
+    r, h, s = x.shape
+    flat = x.reshape(r * h, 1, s)
+    if how == "max":
+        out = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    else:
+        out = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
+    return out.reshape(r, h, s)

@@ -1,0 +1,39 @@
+"""Token sampling with the log-prob of the distribution actually sampled from.
+
+``processed`` log-probs are of ``log_softmax(filter(logits / T))`` where filter applies top-k and then
+top-p (nucleus) truncation, i.e. exactly the distribution ``torch.multinomial`` draws from; ``raw``
+log-probs are of ``log_softmax(logits / T)`` (docs/INTERFACES.md, "Log-probs"). Greedy decoding
+(temperature 0) records ``log_softmax(logits)``.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def truncate(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask logits outside the top-k, then outside the smallest nucleus with mass >= top_p."""
+    if top_k and top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = mass_before >= top_p        # the first token always stays (mass_before = 0)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, mode: str,
+           generator: torch.Generator | None):
+    """logits [B,V] float32 -> (tokens [B] long, logprobs [B] float32)."""
+    if temperature == 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = logp.argmax(dim=-1)
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+    scaled = logits / temperature
+    processed = torch.log_softmax(truncate(scaled, top_k, top_p), dim=-1)
+    tok = torch.multinomial(processed.exp(), 1, generator=generator).squeeze(-1)
+    logp = processed if mode == "processed" else torch.log_softmax(scaled, dim=-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)

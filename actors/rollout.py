@@ -1,0 +1,138 @@
+"""Rollout actor: generates G samples per problem with the sparse (compressed-KV) engine.
+
+A plain class; the driver wraps it with ``ray.remote(RolloutActor)``. Rows follow
+docs/INTERFACES.md "Buffer rows". Rewards come from ``tasks.make_task(task_cfg).reward`` on the decoded
+response; weights arrive versioned through ``cluster.weight_sync`` (``init_weight_sync`` once, then
+``sync_weights`` between generation batches) or directly through ``load_weights``.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import is_dataclass
+
+import torch
+
+from actors.config import KVPolicy, RolloutConfig
+from actors.engine import SamplingParams, make_engine
+
+
+def _as_object(cfg):
+    """OmegaConf DictConfig -> the dataclass it was built from; dataclasses pass through."""
+    if cfg is None or is_dataclass(cfg):
+        return cfg
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(cfg)
+
+
+class RolloutActor:
+    def __init__(self, cfg: RolloutConfig, task_cfg, model_path: str | None = None,
+                 actor_id: int = 0):
+        torch.set_num_threads(1)
+        from common.modeling import load_tokenizer
+
+        self.cfg = _as_object(cfg)
+        self.cfg.validate("rollout")
+        self.task_cfg = _as_object(task_cfg)
+        self.model_path = model_path or self.cfg.model_path
+        self.actor_id = actor_id
+        self.engine = make_engine(self.cfg, self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.version = 0
+        self._task = None
+        self._receiver = None
+        self._calls = 0
+
+    # ---- generation ------------------------------------------------------------------------------
+    def _task_obj(self):
+        if self._task is None:
+            import tasks
+
+            self._task = tasks.make_task(self.task_cfg)
+        return self._task
+
+    def _params(self, greedy: bool) -> SamplingParams:
+        c = self.cfg
+        eos = self.tokenizer.eos_token_id
+        seed = (c.seed * 1_000_003 + self.actor_id) * 1_000_003 + self._calls
+        self._calls += 1
+        return SamplingParams(max_new_tokens=c.max_new_tokens,
+                              temperature=0.0 if greedy else c.temperature, top_p=c.top_p,
+                              top_k=c.top_k, stop_token_ids=() if eos is None else (int(eos),),
+                              seed=seed, logprob_mode=getattr(c.logprob_mode, "value",
+                                                              c.logprob_mode))
+
+    def _generate(self, problems, samples: int, greedy: bool):
+        prompts = [self.tokenizer(p.prompt)["input_ids"] for p in problems]
+        expanded = [ids for ids in prompts for _ in range(samples)]
+        params = self._params(greedy)
+        t0 = time.perf_counter()
+        outs = self.engine.generate(expanded, params)
+        return outs, (time.perf_counter() - t0), params
+
+    def _reward(self, output, answer: str) -> tuple[str, float]:
+        text = self.tokenizer.decode(output.response_ids, skip_special_tokens=True)
+        return text, float(self._task_obj().reward(text, answer))
+
+    def rollout(self, problems, version: int) -> list[dict]:
+        """G samples per problem as buffer rows (rewards filled). ``gen_time_s`` is the sample's
+        share of the wall time of the engine call that produced it."""
+        g = self.cfg.samples_per_prompt
+        outs, elapsed, params = self._generate(problems, g, greedy=False)
+        kv = self.cfg.kv
+        policy = KVPolicy(kv.policy).value
+        budget = 0 if policy == KVPolicy.dense.value else int(kv.budget)   # 0: unbounded (dense)
+        call = self._calls - 1
+        rows = []
+        for j, out in enumerate(outs):
+            prob = problems[j // g]
+            group = f"v{version}-a{self.actor_id}-c{call}-p{prob.idx}"
+            _, reward = self._reward(out, prob.answer)
+            rows.append({
+                "sample_id": f"{group}-s{j % g}", "group_id": group, "prompt_idx": int(prob.idx),
+                "prompt_ids": list(out.prompt_ids), "response_ids": list(out.response_ids),
+                "sampler_logprobs": [float(x) for x in out.logprobs], "reward": reward,
+                "policy_version": int(version), "kv_policy": policy, "kv_budget": budget,
+                "kept_ratio": float(out.kept_ratio), "prompt_len": len(out.prompt_ids),
+                "response_len": len(out.response_ids), "finish_reason": out.finish_reason,
+                "gen_time_s": elapsed / max(1, len(outs)), "logprob_mode": params.logprob_mode,
+            })
+        return rows
+
+    def evaluate(self, problems, greedy: bool = True) -> dict:
+        """One sample per problem (greedy, or sampled at the rollout temperature)."""
+        if not problems:
+            return {"accuracy": 0.0, "num_problems": 0}
+        outs, elapsed, _ = self._generate(problems, 1, greedy=greedy)
+        rewards = [self._reward(o, p.answer)[1] for o, p in zip(outs, problems)]
+        return {"accuracy": sum(r > 0 for r in rewards) / len(rewards),
+                "mean_reward": sum(rewards) / len(rewards), "num_problems": len(problems),
+                "mean_response_len": sum(len(o.response_ids) for o in outs) / len(outs),
+                "kept_ratio": sum(o.kept_ratio for o in outs) / len(outs),
+                "gen_time_s": elapsed}
+
+    # ---- weights ---------------------------------------------------------------------------------
+    def weight_spec(self):
+        from cluster.weight_sync import weight_spec
+
+        return weight_spec(self.engine.model)
+
+    def init_weight_sync(self, host: str, port: int, rank: int, world_size: int) -> None:
+        from cluster.weight_sync import WeightReceiver
+
+        self._receiver = WeightReceiver(host, port, rank, world_size, self.weight_spec())
+
+    def sync_weights(self) -> int:
+        """Receive one broadcast (a collective with the learner's send) and swap the weights."""
+        if self._receiver is None:
+            raise RuntimeError("sync_weights called before init_weight_sync")
+        version, named = self._receiver.receive()
+        self.load_weights(named, version)
+        return version
+
+    def load_weights(self, named_tensors, version: int) -> None:
+        self.engine.load_weights(named_tensors, version)
+        self.version = int(version)
+
+    def state_checksum(self) -> float:
+        return self.engine.state_checksum()

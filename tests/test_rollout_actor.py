@@ -1,0 +1,131 @@
+"""RolloutActor: buffer rows, evaluation, versioned weights, configs."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from actors.config import KVConfig, RolloutConfig, ScorerConfig
+from actors.engine import make_engine
+from actors.native.tiny import build_tiny
+from actors.rollout import RolloutActor
+from common.errors import ConfigError
+from tasks.base import Problem
+
+torch.set_num_threads(1)
+ROW_KEYS = {"sample_id", "group_id", "prompt_idx", "prompt_ids", "response_ids", "sampler_logprobs",
+            "reward", "policy_version", "kv_policy", "kv_budget", "kept_ratio", "prompt_len",
+            "response_len", "finish_reason", "gen_time_s", "logprob_mode"}
+
+
+class ContainsAnswer:
+    name = "contains"
+
+    def reward(self, response: str, answer: str) -> float:
+        return 1.0 if answer in response else 0.0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny(tmp_path_factory.mktemp("m"), "qwen2", seed=0))
+
+
+def make_actor(model_dir, **kw):
+    kv = kw.pop("kv", KVConfig())
+    cfg = RolloutConfig(model_path=model_dir, samples_per_prompt=3, max_new_tokens=8, kv=kv, **kw)
+    actor = RolloutActor(cfg, task_cfg=None, model_path=model_dir, actor_id=1)
+    actor._task = ContainsAnswer()
+    return actor
+
+
+PROBLEMS = [Problem(0, "1+2=", "3"), Problem(7, "hello", "o"), Problem(9, "ab", "zz")]
+
+
+def test_rollout_rows(model_dir):
+    actor = make_actor(model_dir, kv=KVConfig(policy="streaming", budget=6, compress_every=2,
+                                              sink_tokens=2))
+    rows = actor.rollout(PROBLEMS, version=4)
+    assert len(rows) == 9 and all(set(r) == ROW_KEYS for r in rows)
+    assert len({r["sample_id"] for r in rows}) == 9 and len({r["group_id"] for r in rows}) == 3
+    for j, r in enumerate(rows):
+        assert r["prompt_idx"] == PROBLEMS[j // 3].idx
+        assert r["response_len"] == len(r["response_ids"]) == len(r["sampler_logprobs"])
+        assert r["prompt_len"] == len(r["prompt_ids"]) > 0
+        assert r["policy_version"] == 4 and r["kv_policy"] == "streaming" and r["kv_budget"] == 6
+        assert 0 < r["kept_ratio"] <= 1 and r["logprob_mode"] == "processed"
+        assert r["finish_reason"] in ("stop", "length") and r["reward"] in (0.0, 1.0)
+        assert all(lp <= 0 for lp in r["sampler_logprobs"])
+    text = actor.tokenizer.decode(rows[0]["response_ids"], skip_special_tokens=True)
+    assert rows[0]["reward"] == (1.0 if "3" in text else 0.0)
+    assert rows[0]["kept_ratio"] < 1.0                 # prompt 4 + 8 new tokens > budget 6
+
+
+def test_evaluate_and_dense_budget(model_dir):
+    actor = make_actor(model_dir)
+    res = actor.evaluate(PROBLEMS, greedy=True)
+    assert 0.0 <= res["accuracy"] <= 1.0 and res["num_problems"] == 3
+    assert res == {**res, "kept_ratio": 1.0}
+    assert actor.rollout(PROBLEMS[:1], 0)[0]["kv_budget"] == 0
+
+
+def test_weights_via_load_and_weight_sync(model_dir, tmp_path):
+    from cluster.weight_sync import WeightSender, free_port
+    from common.modeling import load_model
+
+    actor = make_actor(model_dir)
+    other = load_model(build_tiny(tmp_path / "o", "qwen2", seed=5))
+    target = NativeChecksum(other)
+    actor.load_weights(list(other.named_parameters()), 3)
+    assert actor.version == 3 and actor.state_checksum() == target
+
+    actor2 = make_actor(model_dir)
+    port = free_port()
+    spec = actor2.weight_spec()
+    result = {}
+
+    def learner():
+        sender = WeightSender("127.0.0.1", port, 2, spec)
+        sender.send(list(other.named_parameters()), 11)
+        result["ok"] = True
+
+    th = threading.Thread(target=learner)
+    th.start()
+    actor2.init_weight_sync("127.0.0.1", port, 1, 2)
+    assert actor2.sync_weights() == 11
+    th.join(timeout=60)
+    assert result.get("ok") and actor2.state_checksum() == target
+
+
+def NativeChecksum(model):
+    from common.modeling import checksum
+
+    return checksum(model.named_parameters())
+
+
+def test_config_validation_names_keys():
+    with pytest.raises(ConfigError, match="rollout.kv.budget"):
+        RolloutConfig(kv=KVConfig(budget=0)).validate("rollout")
+    with pytest.raises(ConfigError, match="rollout.temperature"):
+        RolloutConfig(temperature=0.0).validate("rollout")
+    with pytest.raises(ConfigError, match="rollout.kv.sink_tokens"):
+        KVConfig(policy="streaming", budget=4, sink_tokens=4).validate("rollout.kv")
+    with pytest.raises(ConfigError, match="rollout.kv.policy"):
+        KVConfig(policy="bogus")
+    with pytest.raises(ConfigError, match="scorer.micro_batch"):
+        ScorerConfig(micro_batch=0).validate("scorer")
+    RolloutConfig().validate("rollout")
+    ScorerConfig().validate("scorer")
+
+
+def test_omegaconf_structured_and_vllm_placeholder(model_dir):
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.structured(RolloutConfig)
+    cfg = OmegaConf.to_object(OmegaConf.merge(base, OmegaConf.create(
+        {"engine": "vllm", "kv": {"policy": "rkv", "budget": 64}})))
+    assert cfg.kv.policy.value == "rkv" and cfg.kv.budget == 64
+    with pytest.raises(NotImplementedError, match="rollout.engine"):
+        make_engine(cfg, model_dir)
+    with pytest.raises(Exception):
+        OmegaConf.merge(base, OmegaConf.create({"kv": {"policy": "bogus"}}))
