@@ -123,12 +123,12 @@ def rejection_mask(lr: Tensor, valid: Tensor,
     vetoed_i   = any valid t in i with rho_t < veto_threshold; keep = valid & ~rejected & ~vetoed.
     """
     if not cfg.enabled:
-        return valid.clone(), torch.zeros_like(valid), torch.zeros_like(valid[:, 0])
+        return valid.clone(), torch.zeros_like(valid), torch.zeros_like(valid.any(dim=1))
     rejected = valid & ((lr < math.log(cfg.lower)) | (lr > math.log(cfg.upper)))
     if cfg.veto_threshold > 0:
         vetoed = (valid & (lr < math.log(cfg.veto_threshold))).any(dim=1)
     else:
-        vetoed = torch.zeros_like(valid[:, 0])
+        vetoed = torch.zeros_like(valid.any(dim=1))
     keep = valid & ~rejected & ~vetoed[:, None]
     return keep, rejected, vetoed
 
@@ -145,7 +145,7 @@ def normalize_weights(weights: Tensor, keep: Tensor) -> tuple[Tensor, float]:
 # --- one function per method ------------------------------------------------------------------
 
 def _none_false(valid: Tensor) -> tuple[Tensor, Tensor]:
-    return torch.zeros_like(valid), torch.zeros_like(valid[:, 0])
+    return torch.zeros_like(valid), torch.zeros_like(valid.any(dim=1))
 
 
 def method_sparse_rl(lr: Tensor, valid: Tensor, cfg: CorrectionConfig) -> MethodOutput:

@@ -212,10 +212,11 @@ def test_log_ratio_clamped_before_exp():
     assert all(math.isfinite(v) for v in r.metrics.values())
 
 
-def test_empty_inputs():
-    for shape in ((2, 0), (0, 3)):
+@pytest.mark.parametrize("method", list(CorrectionMethod))
+def test_empty_inputs(method):
+    for shape in ((2, 0), (0, 3), (0, 0)):
         z = torch.zeros(shape)
-        r = correct(z, z, z.bool(), CorrectionConfig())
+        r = correct(z, z, z.bool(), CorrectionConfig(method=method))
         assert r.weights.shape == shape and r.loss_mask.shape == shape
         assert all(math.isfinite(v) for v in r.metrics.values())
     z = torch.zeros(2, 3)
