@@ -1,7 +1,7 @@
 """Correction library: makes sparse (compressed-KV) rollouts trainable.
 
 Pure, typed functions over torch tensors (no Ray / DeepSpeed / vLLM imports):
-  * ``correct``            importance weights + rejection mask + mismatch metrics (Sparse-RL default)
+  * ``correct``            IS weights + rejection mask + mismatch metrics (Sparse-RL default)
   * ``staleness_correct``  the same with the sparsity / staleness split for asynchronous rollouts
   * ``grpo_advantages``    group-relative advantages
   * ``policy_loss``        PPO clipped surrogate with the IS weights and rejection mask applied

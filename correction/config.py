@@ -21,7 +21,7 @@ from common.validate import check_range
 
 class CorrectionMethod(str, enum.Enum):
     """Which correction ``correction.correct`` applies (one function per member)."""
-    SPARSE_RL = "sparse_rl"         # IS weights per ``is_`` + rejection/veto per ``rejection`` (default)
+    SPARSE_RL = "sparse_rl"         # IS weights per ``is_`` + rejection/veto per ``rejection``
     NONE = "none"                   # weights 1, nothing rejected (metrics still reported)
     TIS = "tis"                     # truncated IS: min(rho_t, tis.cap) (Yao et al. 2025)
     ICEPOP = "icepop"               # masked IS: rho_t inside [icepop.lower, icepop.upper], else 0
@@ -44,9 +44,9 @@ class ISMode(str, enum.Enum):
 
 class KLEstimator(str, enum.Enum):
     """Per-token estimators of KL(pi_theta || pi_ref) from samples (Schulman 2020)."""
-    K1 = "k1"   # log pi - log pi_ref                       (unbiased, high variance, can be < 0)
-    K2 = "k2"   # 0.5 * (log pi - log pi_ref)^2             (biased, >= 0)
-    K3 = "k3"   # r - 1 - log r with r = pi_ref / pi        (unbiased, low variance, >= 0)
+    K1 = "k1"   # log pi - log pi_ref              (unbiased, high variance, can be < 0)
+    K2 = "k2"   # 0.5 * (log pi - log pi_ref)^2    (biased, >= 0)
+    K3 = "k3"   # r - 1 - log r, r = pi_ref / pi   (unbiased, low variance, >= 0)
 
 
 class LossAggregation(str, enum.Enum):
@@ -62,7 +62,7 @@ class LagScaling(str, enum.Enum):
 
 
 def _enum(key: str, cls: type[enum.Enum], value: object) -> enum.Enum:
-    """Coerce ``value`` (an Enum member or its string) to ``cls`` or raise ConfigError naming key."""
+    """Coerce ``value`` (an Enum member or its string) to ``cls``; else ConfigError naming key."""
     try:
         return cls(value.value if isinstance(value, enum.Enum) else value)
     except ValueError:

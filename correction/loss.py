@@ -1,6 +1,6 @@
 """GRPO advantages and the PPO-style policy loss with Sparse-RL weights and rejection mask.
 
-Policy loss per kept token t of sequence i (Schulman et al. 2017; Sparse-RL, Luo et al. ACL 2026):
+Policy loss per kept token t of sequence i (Schulman et al. 2017; Sparse-RL, Luo et al. 2026):
 
     r_t   = exp(clamp(new_logp_t - old_logp_t, -c, c))                       (c = log_ratio_clamp)
     pg_t  = w_t * max(-A_i r_t, -A_i clip(r_t, 1 - eps_low, 1 + eps_high))
@@ -9,7 +9,10 @@ Policy loss per kept token t of sequence i (Schulman et al. 2017; Sparse-RL, Luo
     kl_t  = KL estimator of KL(pi_theta || pi_ref) at the sampled token (k3 by default:
             exp(ref - new) - (ref - new) - 1, Schulman 2020)
     l_t   = pg_t + kl_coef * kl_t - entropy_coef * H_t
-    loss  = token_mean: sum_{kept} l_t / #kept        seq_mean: mean_i (sum_{t kept in i} l_t / #kept_i)
+    loss  = token_mean: sum_{kept} l_t / #kept
+            seq_mean:   mean over sequences i with a kept token of (sum_{t kept in i} l_t / #kept_i)
+    (with ``denominator`` given, the division is by it instead of #kept resp. #sequences, so that
+    micro-batches of one global batch add up to the global mean)
 
 w_t are the detached IS weights from ``correct`` (Sparse-RL's truncated, normalised rho_t) and the
 kept tokens are ``loss_mask > 0``: rejected / vetoed tokens leave numerator and denominator. The KL
@@ -47,10 +50,11 @@ def grpo_advantages(rewards: Tensor, group_index: Tensor,
                            "adv/frac_zero_groups": 0.0, "adv/num_groups": 0.0}
     _, inv = torch.unique(group_index, return_inverse=True)
     g = int(inv.max()) + 1
-    count = torch.zeros(g, dtype=r.dtype).index_add_(0, inv, torch.ones_like(r))
-    mean = torch.zeros(g, dtype=r.dtype).index_add_(0, inv, r) / count
+    zeros = torch.zeros(g, dtype=r.dtype, device=r.device)
+    count = zeros.index_add(0, inv, torch.ones_like(r))
+    mean = zeros.index_add(0, inv, r) / count
     dev = r - mean[inv]
-    sq = torch.zeros(g, dtype=r.dtype).index_add_(0, inv, dev * dev)
+    sq = zeros.index_add(0, inv, dev * dev)
     std = (sq / (count - 1).clamp(min=1)).sqrt()
     adv = dev / (std[inv] + cfg.eps) if cfg.normalize_std else dev
     adv = torch.where(count[inv] > 1, adv, torch.zeros_like(adv))
@@ -80,15 +84,22 @@ def kl_penalty(new_logp: Tensor, ref_logp: Tensor, estimator: KLEstimator,
     return torch.exp(x) - x - 1.0
 
 
-def aggregate(values: Tensor, keep: Tensor, how: LossAggregation) -> Tensor:
+def aggregate(values: Tensor, keep: Tensor, how: LossAggregation,
+              denominator: float | None = None) -> Tensor:
     """token_mean: sum over kept / #kept; seq_mean: mean over sequences with a kept token of their
-    kept-token mean. 0 (differentiable) when nothing is kept."""
+    kept-token mean. ``denominator`` replaces #kept (token_mean) or #sequences with a kept token
+    (seq_mean), e.g. the global count when a batch is split into micro-batches.
+    0 (differentiable) when nothing is kept."""
     how = LossAggregation(how)
     if how == LossAggregation.TOKEN_MEAN:
-        return zero_outside(values, keep).sum() / keep.sum().clamp(min=1)
-    per_seq = zero_outside(values, keep).sum(1) / keep.sum(1).clamp(min=1)
-    has = keep.any(1)
-    return zero_outside(per_seq, has).sum() / has.sum().clamp(min=1)
+        total, n = zero_outside(values, keep).sum(), keep.sum()
+    else:
+        per_seq = zero_outside(values, keep).sum(1) / keep.sum(1).clamp(min=1)
+        has = keep.any(1)
+        total, n = zero_outside(per_seq, has).sum(), has.sum()
+    if denominator is not None:
+        return total / max(float(denominator), 1e-8)
+    return total / n.clamp(min=1)
 
 
 def _check_loss_inputs(new_logp: Tensor, old_logp: Tensor, advantages: Tensor, weights: Tensor,
@@ -113,7 +124,8 @@ def _check_loss_inputs(new_logp: Tensor, old_logp: Tensor, advantages: Tensor, w
 
 def policy_loss(new_logp: Tensor, old_logp: Tensor, advantages: Tensor, weights: Tensor,
                 loss_mask: Tensor, cfg: CorrectionConfig, ref_logp: Tensor | None = None,
-                entropy: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+                entropy: Tensor | None = None, *,
+                denominator: float | None = None) -> tuple[Tensor, dict[str, float]]:
     """PPO clipped surrogate with IS weights and rejection mask (formula in the module doc).
 
     Args:
@@ -125,6 +137,9 @@ def policy_loss(new_logp: Tensor, old_logp: Tensor, advantages: Tensor, weights:
         cfg: ``CorrectionConfig`` (uses ``loss`` and ``log_ratio_clamp``).
         ref_logp: [B, T] reference log-probs; needed when ``loss.kl_coef > 0``.
         entropy: [B, T] per-token entropy of pi_theta (with gradient) for the bonus.
+        denominator: keyword-only; divide by this instead of this batch's kept-token count
+            (token_mean) or kept-sequence count (seq_mean) -- pass the global count when
+            accumulating gradients over micro-batches. None: this batch's own count.
     Returns:
         (scalar loss tensor, loss/* metrics). Raises ValueError naming the tensor on NaN/inf at a
         kept position, a shape mismatch, or kl_coef > 0 without ``ref_logp``.
@@ -135,7 +150,7 @@ def policy_loss(new_logp: Tensor, old_logp: Tensor, advantages: Tensor, weights:
     if lc.kl_coef > 0 and ref_logp is None:
         raise ValueError("ref_logp is None but correction.loss.kl_coef > 0")
     c = cfg.log_ratio_clamp
-    new = zero_outside(new_logp, keep)
+    new = zero_outside(new_logp, keep).to(torch.promote_types(new_logp.dtype, torch.float32))
     log_r = (new - zero_outside(old_logp.detach(), keep)).clamp(-c, c)
     ratio = torch.exp(log_r)
     a = zero_outside(adv.detach().to(ratio.dtype), keep)
@@ -150,18 +165,18 @@ def policy_loss(new_logp: Tensor, old_logp: Tensor, advantages: Tensor, weights:
         dual = keep & (a < 0) & (pg > cap)
         pg = torch.where(a < 0, torch.minimum(pg, cap), pg)
     per_tok = w * pg
-    loss = aggregate(per_tok, keep, lc.aggregation)
+    loss = aggregate(per_tok, keep, lc.aggregation, denominator)
     pg_loss = float(loss.detach())
     metrics = {"loss/pg": pg_loss, "loss/clipfrac": frac(clipped.sum(), keep.sum()),
                "loss/dual_clipfrac": frac(dual.sum(), keep.sum())}
     if ref_logp is not None:
         kl = kl_penalty(new, zero_outside(ref_logp.detach(), keep), lc.kl_estimator, c)
-        kl_mean = aggregate(kl, keep, lc.aggregation)
+        kl_mean = aggregate(kl, keep, lc.aggregation, denominator)
         metrics["loss/kl_ref"] = float(kl_mean.detach())
         if lc.kl_coef > 0:
             loss = loss + lc.kl_coef * kl_mean
     if entropy is not None:
-        ent = aggregate(zero_outside(entropy, keep), keep, lc.aggregation)
+        ent = aggregate(zero_outside(entropy, keep), keep, lc.aggregation, denominator)
         metrics["loss/entropy"] = float(ent.detach())
         if lc.entropy_coef > 0:
             loss = loss - lc.entropy_coef * ent

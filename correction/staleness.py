@@ -55,10 +55,11 @@ def staleness_bounds(lag: Tensor, lower: float, upper: float,
     return lo, torch.exp(f * math.log(upper))
 
 
-def _versions(sampler_version: Tensor, new_version: int | Tensor, batch: int) -> Tensor:
-    v = torch.as_tensor(sampler_version).long().reshape(-1)
+def _versions(sampler_version: Tensor, new_version: int | Tensor, batch: int,
+              device: torch.device) -> Tensor:
+    v = torch.as_tensor(sampler_version, device=device).long().reshape(-1)
     check_shape("sampler_version", v, (batch,))
-    n = torch.as_tensor(new_version).long()
+    n = torch.as_tensor(new_version, device=device).long()
     n = n.expand(batch) if n.dim() == 0 else n.reshape(-1)
     check_shape("new_version", n, (batch,))
     return n - v
@@ -87,7 +88,7 @@ def staleness_correct(sampler_logp: Tensor, dense_logp_v: Tensor, dense_logp_new
     valid = check_inputs(sampler_logp, dense_logp_v, mask, "dense_logp_v")
     check_shape("dense_logp_new", dense_logp_new, sampler_logp.shape)
     check_finite("dense_logp_new", dense_logp_new, valid)
-    lag = _versions(sampler_version, new_version, sampler_logp.shape[0])
+    lag = _versions(sampler_version, new_version, sampler_logp.shape[0], valid.device)
     if bool((lag < 0).any()):
         raise ValueError(f"new_version is older than sampler_version for {int((lag < 0).sum())} "
                          "sample(s)")

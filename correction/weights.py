@@ -12,7 +12,7 @@ masks) use the unclamped log-ratio.
 
 ``correct`` dispatches on ``CorrectionMethod`` to one function per method:
 
-sparse_rl (default; Sparse-RL Sec. 3, sparsity-aware rejection sampling + importance reweighting)
+sparse_rl (default; Sparse-RL: sparsity-aware rejection sampling + importance reweighting)
     1. weights per ``cfg.is_``: level token  w_t = rho_t;  sequence  w_t = prod_{s in i} rho_s;
        geometric  w_t = exp(mean_{s in i} log rho_s); then mode truncate  min(w, U);
        clip  clamp(w, L, U);  mask  w * 1[L <= w <= U]  (defaults: token, truncate, U = 1.5).
@@ -26,7 +26,8 @@ tis           w_t = min(rho_t, tis.cap) (cap 2.0; truncated IS, Yao et al. 2025)
 icepop        w_t = rho_t * 1[icepop.lower <= rho_t <= icepop.upper] (masked IS, IcePop); masked
               tokens get weight 0 but stay in the loss denominator.
 seq_mask_tis  sequence i leaves the loss mask if exp(mean_t log rho_t) is outside
-              [seq_mask_tis.lower, seq_mask_tis.upper]; kept tokens get min(rho_t, seq_mask_tis.cap).
+              [seq_mask_tis.lower, seq_mask_tis.upper]; kept tokens get
+              min(rho_t, seq_mask_tis.cap).
 
 Weights never carry gradient (they are computed from detached log-probs) and are 0 wherever
 ``loss_mask`` is 0. Padding (mask 0) never counts, even if it holds NaN; NaN/inf at a valid
@@ -89,7 +90,7 @@ def level_log_weights(lr: Tensor, valid: Tensor, level: ISLevel) -> Tensor:
 def bounded_weights(log_w: Tensor, valid: Tensor, mode: ISMode, lower: float | Tensor,
                     upper: float | Tensor, clamp: float) -> tuple[Tensor, Tensor, Tensor]:
     """Apply ``mode`` to w = exp(clamp(log_w)); bounds may be floats or tensors broadcastable to
-    [B, T] (e.g. per-row bounds). Returns (weights, truncated, masked), all 0/False off ``valid``."""
+    [B, T] (e.g. per-row bounds). Returns (weights, truncated, masked), 0/False off ``valid``."""
     w = torch.exp(log_w.clamp(-clamp, clamp))
     lo = torch.as_tensor(lower, dtype=w.dtype, device=w.device)
     hi = torch.as_tensor(upper, dtype=w.dtype, device=w.device)

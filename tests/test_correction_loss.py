@@ -199,3 +199,29 @@ def test_non_finite_at_kept_position_raises(name):
         policy_loss(args["new_logp"], args["old_logp"], args["advantages"], args["weights"],
                     torch.ones(1, 2), CorrectionConfig(), ref_logp=args["ref_logp"],
                     entropy=args["entropy"])
+
+
+@pytest.mark.parametrize("agg", list(LossAggregation))
+def test_micro_batches_with_global_denominator_add_up(agg):
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(4, 5, generator=g, dtype=torch.float64)
+    new = old + 0.1 * torch.randn(4, 5, generator=g, dtype=torch.float64)
+    adv = torch.randn(4, generator=g, dtype=torch.float64)
+    w = torch.rand(4, 5, generator=g, dtype=torch.float64) + 0.5
+    keep = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
+    cfg = cfg_with(aggregation=agg)
+    full, _ = policy_loss(new, old, adv, w, keep, cfg)
+    n = float(keep.sum()) if agg == LossAggregation.TOKEN_MEAN else float(keep.any(1).sum())
+    parts = [policy_loss(new[i:i + 2], old[i:i + 2], adv[i:i + 2], w[i:i + 2], keep[i:i + 2],
+                         cfg, denominator=n)[0] for i in (0, 2)]
+    assert sum(parts).item() == pytest.approx(full.item())
+
+
+def test_bfloat16_new_logp_computed_in_float32():
+    old = torch.zeros(1, 2)
+    new = torch.zeros(1, 2, dtype=torch.bfloat16, requires_grad=True)
+    loss, _ = policy_loss(new, old, T([1.0]), torch.ones(1, 2), torch.ones(1, 2),
+                          CorrectionConfig())
+    assert loss.dtype == torch.float32
+    loss.backward()
+    assert new.grad.dtype == torch.bfloat16
