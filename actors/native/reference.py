@@ -1,0 +1,52 @@
+"""Teacher-forced recomputation of a sparse rollout's log-probs under its recorded kept sets.
+
+``NativeEngine(..., trace=True)`` records, for every compression of a sequence, the position of the
+last token processed before it (``after``) and the absolute positions kept per layer and KV head
+(``kept [L, Hkv, budget]``). A query at position q then sees key k iff k <= q and, for every
+compression with ``after < q``, k was kept or k > after (added later). Running the whole sequence at
+once under that per-layer, per-head mask must give the sampler's log-probs: this is what makes them
+exactly the sparse policy's (tests/test_kv_reference.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from actors.native.model import Decoder
+from actors.native.sampling import truncate
+
+
+def visibility(trace, n_layers: int, n_kv: int, total: int) -> list[torch.Tensor]:
+    """Per layer, bool [Hkv, T, T]: may query q attend key k under the recorded evictions."""
+    causal = torch.ones(total, total, dtype=torch.bool).tril()
+    masks = []
+    for layer in range(n_layers):
+        vis = causal.expand(n_kv, total, total).clone()
+        for after, kept in trace:
+            in_kept = torch.zeros(n_kv, total, dtype=torch.bool)
+            in_kept.scatter_(1, kept[layer].long(), True)
+            evicted = ~in_kept & (torch.arange(total) <= after)[None]
+            vis[:, after + 1:, :] &= ~evicted[:, None, :]
+        masks.append(vis)
+    return masks
+
+
+@torch.no_grad()
+def recompute_logprobs(model, prompt: list[int], response: list[int], trace,
+                       temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                       mode: str = "processed", sparse: bool = True) -> torch.Tensor:
+    """Log-probs of ``response`` given ``prompt`` attending only to the kept sets in ``trace``
+    (``sparse=False`` ignores the trace: the dense teacher-forced log-probs)."""
+    dec = Decoder(model)
+    ids = torch.tensor([prompt + response])
+    total = ids.shape[1]
+    masks = visibility(trace if sparse else [], dec.n_layers, dec.n_kv, total)
+    positions = torch.arange(total)[None]
+    logits = dec.forward_full(ids, positions, lambda i: masks[i][None, :, None])[0]
+    logits = logits[len(prompt) - 1:total - 1]
+    if temperature == 0:
+        logp = torch.log_softmax(logits, -1)
+    elif mode == "processed":
+        logp = torch.log_softmax(truncate(logits / temperature, top_k, top_p), -1)
+    else:
+        logp = torch.log_softmax(logits / temperature, -1)
+    return logp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
