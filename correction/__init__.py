@@ -9,8 +9,8 @@ Pure, typed functions over torch tensors (no Ray / DeepSpeed / vLLM imports):
 """
 from correction.config import (AdvantageConfig, CorrectionConfig, CorrectionMethod, IcePopConfig,
                                ISConfig, ISLevel, ISMode, KLEstimator, LagScaling, LossAggregation,
-                               LossConfig, RejectionConfig, SeqMaskTISConfig, StalenessConfig,
-                               TISConfig)
+                               LossConfig, NormalizeOver, RejectionConfig, SeqMaskTISConfig,
+                               StalenessConfig, TISConfig)
 from correction.loss import aggregate, grpo_advantages, kl_penalty, policy_loss
 from correction.metrics import mismatch_metrics, sampled_agreement, sparrow_tail, tv_agreement
 from correction.staleness import lag_factor, staleness_bounds, staleness_correct
@@ -20,8 +20,8 @@ from correction.weights import (METHODS, CorrectionResult, correct, importance_w
 __all__ = [
     "AdvantageConfig", "CorrectionConfig", "CorrectionMethod", "CorrectionResult", "IcePopConfig",
     "ISConfig", "ISLevel", "ISMode", "KLEstimator", "LagScaling", "LossAggregation", "LossConfig",
-    "METHODS", "RejectionConfig", "SeqMaskTISConfig", "StalenessConfig", "TISConfig", "aggregate",
-    "correct", "grpo_advantages", "importance_weights", "kl_penalty", "lag_factor",
-    "mismatch_metrics", "normalize_weights", "policy_loss", "rejection_mask", "sampled_agreement",
-    "sparrow_tail", "staleness_bounds", "staleness_correct", "tv_agreement",
+    "METHODS", "NormalizeOver", "RejectionConfig", "SeqMaskTISConfig", "StalenessConfig",
+    "TISConfig", "aggregate", "correct", "grpo_advantages", "importance_weights", "kl_penalty",
+    "lag_factor", "mismatch_metrics", "normalize_weights", "policy_loss", "rejection_mask",
+    "sampled_agreement", "sparrow_tail", "staleness_bounds", "staleness_correct", "tv_agreement",
 ]

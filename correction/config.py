@@ -42,6 +42,12 @@ class ISMode(str, enum.Enum):
     MASK = "mask"           # w if lower <= w <= upper else 0
 
 
+class NormalizeOver(str, enum.Enum):
+    """Which tokens' mean the batch normalisation divides by."""
+    KEPT = "kept"     # tokens left after rejection: the weights entering the loss average 1
+    VALID = "valid"   # every valid token, before rejection (the public Sparse-RL/slime code)
+
+
 class KLEstimator(str, enum.Enum):
     """Per-token estimators of KL(pi_theta || pi_ref) from samples (Schulman 2020)."""
     K1 = "k1"   # log pi - log pi_ref              (unbiased, high variance, can be < 0)
@@ -83,11 +89,13 @@ class ISConfig:
     mode: ISMode = ISMode.TRUNCATE
     lower: float = 0.0        # clip / mask only
     upper: float = 1.5        # the cap U (paper: 1.5)
-    normalize: bool = True    # rescale to mean 1 over the batch's kept tokens
+    normalize: bool = True    # rescale to mean 1 over the batch (see normalize_over)
+    normalize_over: NormalizeOver = NormalizeOver.KEPT
 
     def validate(self, prefix: str = "correction.is_") -> None:
         _enum(f"{prefix}.level", ISLevel, self.level)
         _enum(f"{prefix}.mode", ISMode, self.mode)
+        _enum(f"{prefix}.normalize_over", NormalizeOver, self.normalize_over)
         _bounds(prefix, self.lower, self.upper)
 
 

@@ -17,7 +17,8 @@ and the weight is w_t = W(s_t) * B_l(u_t), where
     clip: clamp(u, L_l, U_l); mask: 0 outside), f(l) = 1, max(l, 1) or sqrt(max(l, 1)) per
     ``staleness.lag_scaling`` -- i.e. the log-bounds widen with the lag;
   * a sample with l > ``staleness.max_lag`` is rejected whole (leaves the loss mask);
-  * finally, for ``sparse_rl`` with ``is_.normalize``, w is rescaled to mean 1 over kept tokens.
+  * finally, for ``sparse_rl`` with ``is_.normalize``, w is rescaled to mean 1 over the kept
+    tokens (or, with ``is_.normalize_over = valid``, over all valid tokens).
 The policy loss then uses pi_dense^n as its PPO anchor (``old_logp=dense_logp_new``), which is the
 decoupled PPO objective (behaviour policy != proximal policy; Hilton et al. 2022, "Batch size-
 invariance for policy optimization"; used for asynchronous RL in AReaL, Fu et al. 2025) with the
@@ -103,7 +104,8 @@ def staleness_correct(sampler_logp: Tensor, dense_logp_v: Tensor, dense_logp_new
     too_stale = has & (lag > st.max_lag)
     keep = sp.keep & ~too_stale[:, None]
     out = MethodOutput(sp.weights * w_st, keep, sp.truncated, sp.masked, sp.rejected,
-                       sp.vetoed, normalize=sp.normalize)
+                       sp.vetoed, normalize=sp.normalize,
+                       normalize_over_valid=sp.normalize_over_valid)
     weights, loss_mask, metrics = finish(out, valid, lr_sp.dtype)
     metrics.update(mismatch_metrics(sampler_logp, dense_logp_v, valid, cfg.log_ratio_clamp))
     metrics.update(mismatch_metrics(dense_logp_v, dense_logp_new, valid, cfg.log_ratio_clamp,

@@ -19,8 +19,12 @@ sparse_rl (default; Sparse-RL: sparsity-aware rejection sampling + importance re
     2. rejection per ``cfg.rejection``: token t leaves the loss mask if rho_t not in
        [0.5, 1.5]; sequence i is vetoed (all its tokens leave the mask) if any
        rho_t < 1e-4. Rejected tokens leave the loss denominator too (``loss_mask`` = 0).
-    3. normalisation (``is_.normalize``): w <- w / mean_{kept tokens of the batch}(w), so the
-       weights have mean 1 over the tokens that enter the loss.
+    3. normalisation (``is_.normalize``): w <- w / mean_S(w) over the batch's tokens S, by
+       default (``is_.normalize_over = kept``) the tokens left after rejection, so the weights
+       entering the loss average exactly 1. ``valid`` divides by the mean over every valid token
+       before rejection instead, as the public Sparse-RL code (slime's MIS helper) does; the
+       kept weights then average about, not exactly, 1. Normalisation is token-weighted at every
+       level (a sequence-level weight counts once per token).
 none          w_t = 1, nothing rejected.
 tis           w_t = min(rho_t, tis.cap) (cap 2.0; truncated IS, Yao et al. 2025), nothing rejected.
 icepop        w_t = rho_t * 1[icepop.lower <= rho_t <= icepop.upper] (masked IS, IcePop); masked
@@ -44,8 +48,8 @@ from torch import Tensor
 
 from correction._tensor import (as_mask, check_finite, check_shape, frac, masked_max,
                                 masked_mean, masked_min, masked_sum, zero_outside)
-from correction.config import CorrectionConfig, CorrectionMethod, ISConfig, ISLevel, ISMode, \
-    RejectionConfig
+from correction.config import (CorrectionConfig, CorrectionMethod, ISConfig, ISLevel, ISMode,
+                               NormalizeOver, RejectionConfig)
 from correction.metrics import mismatch_metrics
 
 
@@ -66,6 +70,7 @@ class MethodOutput:
     rejected: Tensor            # left the loss mask by a token-level band
     vetoed: Tensor              # [B] sequences removed as a whole
     normalize: bool = False     # rescale to mean 1 over kept tokens
+    normalize_over_valid: bool = False   # ... over all valid tokens (pre-rejection) instead
 
 
 def log_ratio(sampler_logp: Tensor, old_logp: Tensor, valid: Tensor) -> Tensor:
@@ -134,12 +139,14 @@ def rejection_mask(lr: Tensor, valid: Tensor,
     return keep, rejected, vetoed
 
 
-def normalize_weights(weights: Tensor, keep: Tensor) -> tuple[Tensor, float]:
-    """w / mean_keep(w) so the kept weights average 1; unchanged if that mean is 0 (nothing kept
-    or every weight masked). Returns (weights, scale applied)."""
-    mean = masked_mean(weights, keep)
+def normalize_weights(weights: Tensor, keep: Tensor,
+                      over: Tensor | None = None) -> tuple[Tensor, float]:
+    """w / mean_over(w) (``over`` defaults to ``keep``), zeroed off ``keep``; so with the default
+    the kept weights average 1. Unchanged if that mean is 0 (nothing kept or every weight
+    masked). Returns (weights, scale applied)."""
+    mean = masked_mean(weights, keep if over is None else over)
     if float(mean) <= 0.0:
-        return weights, 1.0
+        return zero_outside(weights, keep), 1.0
     return zero_outside(weights / mean, keep), float(1.0 / mean)
 
 
@@ -153,7 +160,9 @@ def method_sparse_rl(lr: Tensor, valid: Tensor, cfg: CorrectionConfig) -> Method
     """Sparse-RL: IS weights per ``cfg.is_`` + rejection/veto per ``cfg.rejection``."""
     w, truncated, masked = importance_weights(lr, valid, cfg.is_, cfg.log_ratio_clamp)
     keep, rejected, vetoed = rejection_mask(lr, valid, cfg.rejection)
-    return MethodOutput(w, keep, truncated, masked, rejected, vetoed, normalize=cfg.is_.normalize)
+    return MethodOutput(w, keep, truncated, masked, rejected, vetoed, normalize=cfg.is_.normalize,
+                        normalize_over_valid=NormalizeOver(cfg.is_.normalize_over)
+                        == NormalizeOver.VALID)
 
 
 def method_none(lr: Tensor, valid: Tensor, cfg: CorrectionConfig) -> MethodOutput:
@@ -218,10 +227,12 @@ def finish(out: MethodOutput, valid: Tensor, dtype: torch.dtype,
     """Zero the weights off ``keep``, normalise if asked, and compute the correction/* metrics.
     Returns (weights detached, loss_mask float, metrics)."""
     keep = out.keep & valid
-    weights = zero_outside(out.weights, keep)
     scale = 1.0
     if out.normalize:
-        weights, scale = normalize_weights(weights, keep)
+        over = valid if out.normalize_over_valid else keep
+        weights, scale = normalize_weights(zero_outside(out.weights, valid), keep, over)
+    else:
+        weights = zero_outside(out.weights, keep)
     weights = weights.detach().to(dtype)
     n_valid, n_keep = valid.sum(), keep.sum()
     has = valid.any(dim=1)

@@ -44,6 +44,7 @@ def test_omegaconf_structured_with_yaml_strings():
     ("rejection.veto_threshold", -1.0, "correction.rejection.veto_threshold"),
     ("is_.upper", 0.5, "correction.is_.upper"),
     ("is_.mode", "chop", "correction.is_.mode"),
+    ("is_.normalize_over", "all", "correction.is_.normalize_over"),
     ("method", "magic", "correction.method"),
     ("log_ratio_clamp", 0.0, "correction.log_ratio_clamp"),
     ("tis.cap", 0.9, "correction.tis.cap"),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from correction import (CorrectionConfig, CorrectionMethod, ISConfig, ISLevel, ISMode,
-                        RejectionConfig, correct)
+                        NormalizeOver, RejectionConfig, correct)
 from correction.config import IcePopConfig, SeqMaskTISConfig, TISConfig
 
 torch.set_num_threads(1)
@@ -99,6 +99,16 @@ def test_sparse_rl_default_recipe():
     assert r.metrics["correction/weight_mean"] == pytest.approx(1.0)
     assert r.metrics["correction/norm_scale"] == pytest.approx(1 / mean)
     assert r.metrics["correction/frac_truncated"] == pytest.approx(2 / 6)   # rho 2.0 and 1.6
+
+
+def test_normalize_over_valid_tokens_like_the_reference_code():
+    cfg = CorrectionConfig()
+    cfg.is_.normalize_over = NormalizeOver.VALID
+    r = correct(*batch(), cfg)
+    mean = (1.0 + 1.5 + 0.25 + 1.2 + 0.6 + 1.5) / 6      # truncated weights of all valid tokens
+    expect(r, [[1.0 / mean, 0, 0, 1.2 / mean], [0.6 / mean, 0, 0, 0]],
+           [[1, 0, 0, 1], [1, 0, 0, 0]])
+    assert r.metrics["correction/norm_scale"] == pytest.approx(1 / mean)
 
 
 def test_rejection_band_is_inclusive_and_explicit():
