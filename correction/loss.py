@@ -139,7 +139,8 @@ def policy_loss(new_logp: Tensor, old_logp: Tensor, advantages: Tensor, weights:
         entropy: [B, T] per-token entropy of pi_theta (with gradient) for the bonus.
         denominator: keyword-only; divide by this instead of this batch's kept-token count
             (token_mean) or kept-sequence count (seq_mean) -- pass the global count when
-            accumulating gradients over micro-batches. None: this batch's own count.
+            accumulating gradients over micro-batches (the loss/* means in the metrics are then
+            this micro-batch's share too). None: this batch's own count.
     Returns:
         (scalar loss tensor, loss/* metrics). Raises ValueError naming the tensor on NaN/inf at a
         kept position, a shape mismatch, or kl_coef > 0 without ``ref_logp``.
