@@ -1,0 +1,329 @@
+"""The learner: a DeepSpeed ZeRO engine that takes corrected GRPO/PPO steps on scored batches.
+
+A plain class; the driver wraps it with ``ray.remote`` and starts ``num_learners`` of them, one per
+data-parallel rank, all joining DeepSpeed's default process group. Rank 0 also owns the weight-sync
+sender (a *separate* group, see ``cluster/weight_sync.py``).
+
+One ``train_step``:
+  1. GRPO advantages and the mismatch correction (IS weights + rejection mask) over the whole shard:
+     both normalise over the batch, so they must not be computed per micro-batch;
+  2. the shard is cut into micro-batches of ``micro_batch_size`` rows; each gets new log-probs
+     (``common.modeling.token_logprobs`` at the rollout temperature), the PPO loss and a backward
+     with DeepSpeed's accumulation boundary set by hand on the last one, because the number of
+     micro-batches follows the batch and is not a fixed ``gradient_accumulation_steps``;
+  3. one optimiser step (grad clipping and LR schedule inside DeepSpeed); ``version`` += 1.
+Each micro-batch loss is scaled by its share of the *global* (all ranks) kept tokens (or sequences
+for ``seq_mean``), times the world size that DeepSpeed's gradient averaging divides by, so the update
+equals the loss aggregated over the whole batch however it is split.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from common.modeling import checksum, load_model, token_logprobs
+from learner.config import LearnerConfig, LRSchedule, Precision
+
+# Non-weight files of an HF model directory, copied next to saved weights so the result is a
+# complete model directory (tokenizer included) usable as any actor's model_path.
+_HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                  "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+
+
+def lr_lambda(cfg: LearnerConfig):
+    """Multiplier of ``cfg.lr`` at optimiser step s: linear warmup, then constant or cosine."""
+    warm, decay, floor = cfg.warmup_steps, cfg.decay_steps, cfg.min_lr_ratio
+    cosine = LRSchedule(cfg.lr_schedule) == LRSchedule.COSINE
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / (warm + 1)
+        if not cosine:
+            return 1.0
+        progress = min(1.0, (step - warm) / decay)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return f
+
+
+def deepspeed_config(cfg: LearnerConfig, world_size: int) -> dict:
+    """The DeepSpeed JSON config for ``cfg`` (batch sizes are nominal: accumulation is manual)."""
+    bf16 = Precision(cfg.dtype) == Precision.BF16
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": cfg.micro_batch_size * world_size,
+        "gradient_clipping": float(cfg.grad_clip),
+        "zero_optimization": {"stage": int(cfg.zero_stage)},
+        "bf16": {"enabled": bf16},
+        # a torch AdamW avoids compiling DeepSpeed's fused/cpu Adam; ZeRO accepts it with this flag
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _set_dist_env(rank: int, world_size: int, local_rank: int, addr: str, port: int) -> None:
+    """DeepSpeed falls back to MPI discovery (and fails without mpi4py) unless these are set."""
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(local_rank),
+                       "WORLD_SIZE": str(world_size), "LOCAL_SIZE": str(world_size),
+                       "MASTER_ADDR": addr, "MASTER_PORT": str(port)})
+
+
+def _disable_shm_comm() -> None:
+    """Make DeepSpeed skip its shared-memory CPU all-reduce op, which it compiles (~50 s) at the
+    first ``initialize`` of every fresh extensions dir; collectives then go through gloo.
+
+    ``deepspeed.comm.torch.build_shm_op`` builds the op only if
+    ``deepspeed.ops.__compatible_ops__[name]`` is true; that dict is probed once per process and
+    cached in the module, so marking the op incompatible there is honoured by every later check.
+    """
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only: biases and norm gains (1-D) are not decayed (standard AdamW practice)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _combine_loss_metrics(parts: list[tuple[float, float, dict]]) -> dict[str, float]:
+    """This rank's loss/* over its micro-batches: counts summed, maxima maxed, the rest averaged
+    with each micro-batch's share of the kept units (so ``loss`` is the shard's aggregated loss)."""
+    out: dict[str, float] = {"loss": 0.0}
+    for w, loss, m in parts:
+        out["loss"] += w * loss
+        for k, v in m.items():
+            if "num_" in k:
+                out[k] = out.get(k, 0.0) + v
+            elif k.endswith("_max"):
+                out[k] = max(out.get(k, v), v)
+            else:
+                out[k] = out.get(k, 0.0) + w * v
+    return out
+
+
+class Learner:
+    """One data-parallel DeepSpeed learner rank. See the module docstring for a step's anatomy."""
+
+    def __init__(self, cfg: LearnerConfig, correction_cfg, model_path: str, rank: int = 0,
+                 world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int = 29500,
+                 local_rank: int | None = None):
+        cfg.validate("learner")
+        if world_size != cfg.num_learners:
+            raise ValueError(f"world_size={world_size} but learner.num_learners={cfg.num_learners}")
+        self.cfg, self.correction_cfg = cfg, correction_cfg
+        self.model_path, self.rank, self.world_size = str(model_path), rank, world_size
+        self.version = 0
+        torch.set_num_threads(cfg.num_threads)
+        if local_rank is None:  # under Ray each GPU actor sees one device; elsewhere rank-per-GPU
+            local_rank = rank % torch.cuda.device_count() if torch.cuda.device_count() > 1 else 0
+        _set_dist_env(rank, world_size, local_rank, master_addr, master_port)
+
+        import deepspeed
+
+        if not cfg.cpu_shm_comm:
+            _disable_shm_comm()
+        torch.manual_seed(cfg.seed)
+        t0 = time.time()
+        model = load_model(model_path, dtype=torch.float32)
+        model.train()
+        opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr,
+                                betas=tuple(cfg.betas), eps=cfg.eps)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=opt, lr_scheduler=sched,
+            config=deepspeed_config(cfg, world_size))
+        self.init_seconds = time.time() - t0
+        self._zero3 = int(cfg.zero_stage) == 3
+        self._full: dict[str, torch.Tensor] | None = None
+        self._sender = None
+        if self._zero3:
+            self._gather_full()
+
+    # ---- training -------------------------------------------------------------------------
+
+    def train_step(self, tensors: dict, temperature: float = 1.0) -> dict:
+        """One optimiser step on this rank's shard (``buffer.tensors.to_tensors`` layout).
+
+        Every rank must call it (collectives inside). Returns float metrics: loss, grad_norm, lr,
+        adv/*, mismatch/*, correction/*, loss/* (kept-token weighted over micro-batches), counts
+        and time; ``version`` after the step.
+        """
+        from correction import correct, grpo_advantages
+
+        t0 = time.time()
+        cc = self.correction_cfg
+        resp = tensors["response_mask"].bool()
+        adv, adv_metrics = grpo_advantages(tensors["rewards"].float(), tensors["group_index"], cc)
+        corr = correct(tensors["sampler_logprobs"].float(), tensors["old_logprobs"].float(),
+                       resp, cc)
+        keep = corr.loss_mask > 0
+        slices, units, total = self._plan_micro_batches(keep)
+        local_units = sum(units)
+        parts = []
+        for i, (sl, unit) in enumerate(zip(slices, units)):
+            self.engine.set_gradient_accumulation_boundary(i == len(slices) - 1)
+            share = unit * self.world_size / total if total > 0 else 0.0
+            loss, m = self._micro_step(tensors, sl, adv, corr, temperature, share)
+            parts.append((unit / local_units if local_units > 0 else 0.0, float(loss), m))
+        metrics = _combine_loss_metrics(parts)
+        stepped = total > 0
+        grad_norm = 0.0
+        if stepped:  # all ranks agree (``total`` is global): nothing kept anywhere -> no update
+            own_norm = self._plain_grad_norm()
+            self.engine.step()
+            grad_norm = self.engine.get_global_grad_norm() or own_norm
+        else:
+            self.engine.zero_grad()
+        self.version += 1
+        if self._zero3:
+            self._gather_full()
+        metrics.update(adv_metrics)
+        metrics.update(corr.metrics)
+        metrics.update({
+            "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+            "lr": float(self.scheduler.get_last_lr()[0]), "version": float(self.version),
+            "learner/stepped": float(stepped), "learner/micro_batches": float(len(slices)),
+            "learner/rows": float(resp.shape[0]), "learner/response_tokens": float(resp.sum()),
+            "learner/kept_tokens": float(keep.sum()), "time/train_s": time.time() - t0})
+        return metrics
+
+    def _plan_micro_batches(self, keep: torch.Tensor):
+        """Row slices, each slice's loss units (kept tokens or sequences) and the global total.
+
+        The micro-batch count is the maximum over ranks, because ZeRO-2/3 run collectives inside
+        every backward/forward; a rank with fewer rows runs 1-row micro-batches of weight 0.
+        """
+        import deepspeed.comm as dscomm
+        from correction import LossAggregation
+
+        per_seq = LossAggregation(self.correction_cfg.loss.aggregation) == LossAggregation.SEQ_MEAN
+        rows = keep.shape[0]
+        n_local = max(1, math.ceil(rows / self.cfg.micro_batch_size))
+        unit_rows = keep.any(1).float() if per_seq else keep.sum(1).float()
+        stats = torch.tensor([float(n_local), float(unit_rows.sum())], dtype=torch.float64)
+        if self.world_size > 1:
+            n = stats[:1].clone()
+            dscomm.all_reduce(n, op=dscomm.ReduceOp.MAX)
+            tot = stats[1:].clone()
+            dscomm.all_reduce(tot, op=dscomm.ReduceOp.SUM)
+            stats = torch.cat([n, tot])
+        n_mb, total = int(stats[0]), float(stats[1])
+        bounds = torch.linspace(0, rows, n_mb + 1).round().long().tolist()
+        slices, units = [], []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if b > a:
+                slices.append(slice(a, b))
+                units.append(float(unit_rows[a:b].sum()))
+            else:  # padding micro-batch: keeps collectives in step across ranks, adds nothing
+                slices.append(slice(0, 1))
+                units.append(0.0)
+        return slices, units, total
+
+    def _plain_grad_norm(self) -> float:
+        """Global grad norm before clipping when DeepSpeed does not record one (ZeRO-0 with a
+        client optimizer keeps gradients in ``p.grad``, already all-reduced); 0 otherwise."""
+        if int(self.cfg.zero_stage) != 0:
+            return 0.0
+        sq = [p.grad.float().pow(2).sum() for p in self.engine.module.parameters()
+              if p.grad is not None]
+        return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
+
+    def _micro_step(self, tensors, sl, adv, corr, temperature, share):
+        """Forward + PPO loss + backward on rows ``sl``, trimmed to their longest sequence."""
+        from correction import policy_loss
+
+        attn = tensors["attention_mask"][sl]
+        t = max(2, int(attn.sum(1).max()))
+        ids, attn = tensors["input_ids"][sl, :t], attn[:, :t]
+        new_logp = token_logprobs(self.engine, ids, attn, temperature)
+        ref = tensors.get("ref_logprobs")
+        loss, m = policy_loss(new_logp, tensors["old_logprobs"][sl, :t].float(), adv[sl],
+                              corr.weights[sl, :t], corr.loss_mask[sl, :t], self.correction_cfg,
+                              ref_logp=None if ref is None else ref[sl, :t].float())
+        # scale_wrt_gas=False: the share already normalises over every micro-batch of every rank
+        self.engine.backward(loss * share, scale_wrt_gas=False)
+        return loss.detach(), m
+
+    # ---- weights --------------------------------------------------------------------------
+
+    def _gather_full(self) -> None:
+        """ZeRO-3: gather every parameter (a collective over all learner ranks) and keep a full
+        copy on rank 0, so ``named_weights``/``save_hf``/broadcast work on rank 0 alone."""
+        import deepspeed
+
+        module = self.engine.module
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            if self.rank == 0:
+                self._full = {n: p.detach().clone() for n, p in module.named_parameters()}
+
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """Full (unpartitioned) weights with HF names, in ``named_parameters`` order.
+
+        Under ZeRO-3 only rank 0 holds them (gathered after every step). In bf16 mode these are
+        the bf16 module weights the forward used (the fp32 master copy stays in the optimiser).
+        """
+        if self._zero3:
+            if self._full is None:
+                raise RuntimeError("ZeRO-3 full weights are kept on learner rank 0 only")
+            return list(self._full.items())
+        return [(n, p.detach()) for n, p in self.engine.module.named_parameters()]
+
+    def weight_spec(self):
+        from cluster.weight_sync import weight_spec
+
+        if self._zero3:
+            return [(n, tuple(t.shape), t.dtype) for n, t in self.named_weights()]
+        return weight_spec(self.engine.module)
+
+    def state_checksum(self) -> float:
+        return checksum(self.named_weights())
+
+    def save_hf(self, path: str) -> str | None:
+        """Rank 0 writes an HF model directory (safetensors + config + tokenizer files); other
+        ranks do nothing. Returns the path on rank 0."""
+        if self.rank != 0:
+            return None
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        # ZeRO-3 parameters are partitioned: hand over the gathered copy instead of the module's
+        state = dict(self._full) if self._zero3 else None
+        self.engine.module.save_pretrained(str(out), state_dict=state)
+        for name in _HF_SIDE_FILES:
+            src = Path(self.model_path) / name
+            if src.is_file():
+                shutil.copy2(src, out / name)
+        return str(out)
+
+    # ---- weight broadcast (rank 0) --------------------------------------------------------
+
+    def init_weight_sync(self, host: str, port: int, world_size: int, backend: str = "gloo",
+                         bucket_mb: int = 64) -> None:
+        """Join the weight-sync group as its rank 0 (learner rank 0 only). A collective with
+        every receiver's ``init_weight_sync``."""
+        from cluster.weight_sync import WeightSender
+
+        if self.rank != 0:
+            raise RuntimeError("only learner rank 0 sends weights")
+        self._sender = WeightSender(host, port, world_size, self.weight_spec(), backend=backend,
+                                    bucket_bytes=int(bucket_mb) << 20)
+
+    def broadcast_weights(self) -> int:
+        """Send the current weights tagged with ``version`` (a collective with every receiver's
+        ``sync_weights``). Returns the version sent."""
+        if self._sender is None:
+            raise RuntimeError("init_weight_sync was not called on learner rank 0")
+        self._sender.send(self.named_weights(), self.version)
+        return self.version
