@@ -294,10 +294,9 @@ class ReplayBuffer:
         with self._lock:
             return [s for s, r in self._rows.items() if r.state in _LIVE]
 
-    @property
-    def quarantined(self) -> list:
-        """SegmentCorrupt errors for the files moved aside during recovery."""
-        return list(self._store.quarantined) if self._store else []
+    def quarantined(self) -> list[str]:
+        """One message per segment moved to quarantine/ during recovery (names the file)."""
+        return [str(e) for e in self._store.quarantined] if self._store else []
 
     # ---- internals ---------------------------------------------------------------------
     def _write(self, kind: str, batch: pa.RecordBatch) -> int:

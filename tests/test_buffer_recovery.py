@@ -130,8 +130,9 @@ def test_corrupt_segment_is_named_quarantined_and_rest_recovered(tmp_path, damag
         buf = ReplayBuffer(cfg, root)
     assert sorted(buf.live_sample_ids()) == [f"g{g}-{i}" for g in (0, 2) for i in range(4)]
     assert buf.stats()["ready_groups"] == 2 and buf.stats()["quarantined_segments"] == 1
-    err = buf.quarantined[0]
-    assert isinstance(err, SegmentCorrupt) and err.path == victim and "corrupt" in str(err)
+    err = buf._store.quarantined[0]
+    assert isinstance(err, SegmentCorrupt) and err.path == victim
+    assert buf.quarantined() == [str(err)] and victim in str(err) and "corrupt" in str(err)
     assert not os.path.exists(victim)
     assert os.path.exists(os.path.join(root, "quarantine", data[1]))
     again = ReplayBuffer(cfg, root)                       # quarantine is not re-read
