@@ -33,6 +33,20 @@ from buffer.storage import SegmentStore
 _LIVE = (State.GENERATED, State.SCORED)
 
 
+def _split_scores(batch: pa.RecordBatch) -> tuple[pa.RecordBatch, pa.RecordBatch | None]:
+    """Data rows are stored unscored and `generated`; scores given with them (old_logprobs
+    present) are returned separately so they go through the state log like set_scores."""
+    n = batch.num_rows
+    scored = pc.is_valid(batch.column("old_logprobs"))
+    prescored = batch.filter(scored) if pc.any(scored).as_py() else None
+    for name, value in (("old_logprobs", pa.nulls(n, SCHEMA.field("old_logprobs").type)),
+                        ("ref_logprobs", pa.nulls(n, SCHEMA.field("ref_logprobs").type)),
+                        ("scorer_version", pa.array([-1] * n, pa.int64())),
+                        ("state", pa.array([State.GENERATED.label] * n, pa.string()))):
+        batch = batch.set_column(SCHEMA.get_field_index(name), SCHEMA.field(name), value)
+    return batch, prescored
+
+
 def _locked(fn):
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
@@ -90,6 +104,7 @@ class ReplayBuffer:
         """
         batch = normalize_batch(rows) if isinstance(rows, (pa.RecordBatch, pa.Table)) \
             else rows_to_batch(rows)
+        batch, prescored = _split_scores(batch)
         ids = batch.column("sample_id").to_pylist()
         if len(set(ids)) != len(ids):
             raise ValueError("append: duplicate sample_id within one call")
@@ -112,6 +127,14 @@ class ReplayBuffer:
             chunk = batch.slice(start, step)
             self._apply_data(chunk, self._write("data", chunk))
         self.metrics["appended_rows"] += n_new
+        if prescored is not None:             # rows that came scored: record it like set_scores
+            keep = pc.is_in(prescored.column("sample_id"), batch.column("sample_id"))
+            p = prescored.filter(keep)
+            for v in set(p.column("scorer_version").to_pylist()):
+                q = p.filter(pc.equal(p.column("scorer_version"), v))
+                self.set_scores(q.column("sample_id").to_pylist(), q.column("old_logprobs"), v,
+                                q.column("ref_logprobs") if q.column("ref_logprobs").null_count
+                                < q.num_rows else None)
         return ids
 
     def try_append(self, rows) -> list[str] | None:

@@ -117,6 +117,10 @@ def normalize_batch(batch: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
             arr = pc.fill_null(arr.cast(f.type), DEFAULTS[f.name])
         if arr is None or (arr.null_count == n and f.name in DERIVED and n):
             arr = _default_column(f, batch, n)
+        elif arr.null_count and f.name in DERIVED and not f.nullable:
+            # Partly given (e.g. some rows without sample_id): derive the missing entries only.
+            arr = pc.if_else(pc.is_null(arr), _default_column(f, batch, n).cast(f.type),
+                             arr.cast(f.type))
         cols.append(arr.cast(f.type))
     out = pa.RecordBatch.from_arrays(cols, schema=SCHEMA)
     _check_lengths(out)

@@ -203,3 +203,18 @@ def test_restart_keeps_requeued_prompts(tmp_path):
     again = ReplayBuffer(cfg, str(tmp_path))
     assert sorted(again.take_requeued()) == [0, 1]
     assert ReplayBuffer(cfg, str(tmp_path)).take_requeued() == []
+
+
+def test_rows_appended_with_scores_are_scored(make):
+    buf = make()
+    rows = synthetic_rows(2, 2)
+    for r in rows[:2]:                                   # group g0 arrives already scored
+        r["old_logprobs"], r["scorer_version"] = r["sampler_logprobs"], 7
+        r["state"] = "consumed"                           # ignored: data rows start generated
+    rows[2]["sample_id"] = None                           # derived where missing
+    ids = buf.append(rows)
+    assert ids[2] is not None and len(set(ids)) == 4
+    assert buf.pending_scoring(10).column("sample_id").to_pylist() == ids[2:]
+    b = buf.sample_batch(1, 0)
+    assert b.column("scorer_version").to_pylist() == [7, 7]
+    assert b.column("old_logprobs").to_pylist() == b.column("sampler_logprobs").to_pylist()
