@@ -115,6 +115,9 @@ class ReplayBuffer:
             return ids
         if n_new < len(ids):
             batch = batch.filter(pa.array(new))
+        if n_new > self.cfg.capacity:        # retrying could never succeed: not a "full" answer
+            raise ValueError(f"append: {n_new} rows exceed buffer.capacity "
+                             f"{self.cfg.capacity}; append fewer rows per call")
         if self._live + n_new > self.cfg.capacity:
             self.metrics["full_rejections"] += 1
             raise BufferFull(self.cfg.capacity, self._live, n_new)

@@ -96,6 +96,8 @@ def test_capacity_backpressure(make):
     buf.mark_consumed(b.column("sample_id").to_pylist())
     assert buf.try_append(synthetic_rows(1, 4, first_group=2)) is not None
     assert buf.stats()["full_rejections"] == 2
+    with pytest.raises(ValueError, match="exceed buffer.capacity"):
+        buf.append(synthetic_rows(3, 4, first_group=10))
 
 
 @pytest.mark.parametrize("policy", ["drop", "requeue"])
