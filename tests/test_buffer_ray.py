@@ -1,5 +1,4 @@
 """Several producers, a scorer and several consumers at once through a Ray actor."""
-import os
 import shutil
 import tempfile
 import time
@@ -54,8 +53,8 @@ def consume(buf, total, deadline):
     return got
 
 
-def test_many_producers_and_consumers_lose_and_duplicate_nothing(tmp_path):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+def test_many_producers_and_consumers_lose_and_duplicate_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")      # else Ray writes $HOME/.ray/auth_token
     temp = tempfile.mkdtemp(prefix="rbuf", dir="/tmp")       # short path: Ray socket limits
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp, log_to_driver=False)
     try:
