@@ -31,6 +31,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/rollout.py --quick
+	$(PY) bench/buffer.py --quick
 
 lock: $(STAMP)
 	$(PY) -m pip freeze --exclude-editable | grep -v '^-e' > requirements.lock

@@ -30,7 +30,7 @@ def build_pools(cfg, run_dir: str) -> Pools:
 
     from actors.rollout import RolloutActor
     from actors.scorer import ScorerActor
-    from buffer.buffer import ReplayBuffer
+    from buffer import ReplayBuffer
     from learner.learner import Learner
 
     c = cfg.cluster
@@ -77,8 +77,12 @@ def connect_weight_sync(pools: Pools, cfg) -> None:
     ray.get(calls)
 
 
-def broadcast_weights(pools: Pools) -> int:
-    """Learner rank 0 sends its weights; every receiver swaps them in between batches. Returns version."""
+def broadcast_weights(pools: Pools, verify: bool = True) -> tuple[int, dict]:
+    """Learner rank 0 sends its weights; every receiver swaps them in between batches.
+
+    Returns the version and, with ``verify``, the learner's weight checksum and the largest relative
+    difference of any receiver's checksum from it (0.0 when every actor holds the learner's weights).
+    """
     import ray
 
     sent = pools.learners[0].broadcast_weights.remote()
@@ -87,4 +91,9 @@ def broadcast_weights(pools: Pools) -> int:
     versions = ray.get(got)
     if any(v != version for v in versions):
         raise RuntimeError(f"weight broadcast version mismatch: learner {version}, actors {versions}")
-    return version
+    if not verify:
+        return version, {}
+    ref = ray.get(pools.learners[0].state_checksum.remote())
+    sums = ray.get([a.state_checksum.remote() for a in pools.receivers])
+    diff = max(abs(s - ref) / max(abs(ref), 1e-12) for s in sums)
+    return version, {"weights/checksum": ref, "weights/max_rel_diff": diff}
