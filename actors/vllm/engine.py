@@ -1,0 +1,212 @@
+"""``VLLMEngine``: the ``actors.engine.Engine`` protocol on vLLM (in-process ``LLM``), dense or with a
+sliding-window KV cache (``rollout.kv.policy=streaming``).
+
+* Log-probs: the engine runs with ``logprobs_mode="processed_logprobs"``: the log-prob of each sampled
+  token under the distribution it was drawn from (after temperature, top-k, top-p), as the native
+  engine's ``logprob_mode="processed"``. vLLM's default (``raw_logprobs``) is taken before temperature.
+  ``logprob_mode="raw"`` (``log_softmax(logits / T)`` without truncation) is the same number when
+  top-k and top-p are off and is refused otherwise.
+* Sampling: every prompt is its own request; with ``SamplingParams.seed`` request i gets seed
+  ``seed * 1000003 + i`` (equal prompts must not share a seed, or the G samples of a group coincide).
+  Generation stops only at ``stop_token_ids`` (the stop token is kept, finish_reason "stop") or at
+  ``max_new_tokens`` ("length"); the model's own EOS is ignored unless listed, as in the native engine.
+* KV: ``peak_kv_bytes`` is measured, not estimated: after every scheduling step the engine counts the
+  KV blocks each request holds in vLLM's KV manager (blocks freed by the sliding window excluded), so
+  it is block-granular (``block_size`` tokens). ``kept_ratio`` is computed as the native engine
+  counts it (``actors.vllm.kv.kept_ratio``).
+* Weights: ``load_weights`` validates HF-named tensors, then reloads them in memory through the model
+  runner's ``reload_weights(weights_iterator=...)`` and resets the prefix cache. On GPU, with
+  ``weight_transfer="nccl"``, ``init_weight_transfer`` / ``receive_weights_nccl`` use vLLM's NCCL
+  weight-transfer engine instead (not testable on CPU).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from actors.config import KVConfig
+from actors.engine import GenerationOutput, SamplingParams
+from actors.vllm import kv as kvmod
+from actors.vllm.env import setup_env
+from actors.vllm.weights import Ledger, hf_skeleton, nccl_update_info, spec_of, validate
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class VLLMEngine:
+    def __init__(self, model_path: str | Path, kv: KVConfig | None = None, batch_size: int = 64,
+                 dtype: str = "float32", kv_cache_bytes: int = 64 << 20,
+                 max_model_len: int | None = None, seed: int = 0, threads: int | None = 1,
+                 enforce_eager: bool | None = None, weight_transfer: str | None = None,
+                 block_size: int | None = None):
+        setup_env()
+        self.model_path = str(model_path)
+        self.kv = kv or KVConfig()
+        self.kv.validate("rollout.kv")
+        self.policy = kvmod.check_policy(self.kv)
+        self.window = kvmod.window_of(self.kv)
+        self.dtype = DTYPES[getattr(dtype, "value", dtype)]
+        self.batch_size = int(batch_size)
+        # Meta-device HF model: names/shapes for the weight spec (RolloutActor.weight_spec uses
+        # ``engine.model``); it holds no weights.
+        self.model = hf_skeleton(self.model_path, self.dtype)
+        self._spec = spec_of(self.model)
+        self._ledger = Ledger(self.dtype)
+        self._ledger.record_checkpoint(self.model_path, self._spec)
+        self.version = 0
+        self.last_stats: dict = {}
+        self._calls = 0
+        self._broken: str | None = None
+        self._transfer = weight_transfer
+        if threads:
+            torch.set_num_threads(int(threads))   # before vLLM freezes the thread count
+        self.llm = self._start(kv_cache_bytes, max_model_len, seed, enforce_eager, block_size)
+        self.meter = kvmod.KVMeter(self.llm)
+
+    @classmethod
+    def from_config(cls, cfg, model_path: str | None = None, **overrides) -> "VLLMEngine":
+        """From a ``RolloutConfig`` (``batch_size``, ``dtype``, ``seed``, ``kv``); vLLM-only knobs
+        (``kv_cache_bytes``, ``max_model_len``, ...) as keyword overrides."""
+        kw = dict(kv=cfg.kv, batch_size=cfg.batch_size, dtype=getattr(cfg.dtype, "value", cfg.dtype),
+                  seed=cfg.seed)
+        kw.update(overrides)
+        return cls(model_path or cfg.model_path, **kw)
+
+    def _start(self, kv_cache_bytes, max_model_len, seed, enforce_eager, block_size):
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        kwargs = dict(
+            model=self.model_path, tokenizer=self.model_path, skip_tokenizer_init=True,
+            dtype={torch.float32: "float32", torch.bfloat16: "bfloat16",
+                   torch.float16: "float16"}[self.dtype],
+            seed=int(seed), max_num_seqs=self.batch_size, kv_cache_memory_bytes=int(kv_cache_bytes),
+            logprobs_mode="processed_logprobs", generation_config="vllm",
+            enforce_eager=current_platform.is_cpu() if enforce_eager is None else enforce_eager,
+            hf_overrides=kvmod.hf_overrides(self.kv, self.model.config.num_hidden_layers))
+        if max_model_len:
+            kwargs["max_model_len"] = int(max_model_len)
+        if block_size:
+            kwargs["block_size"] = int(block_size)
+        if self._transfer:
+            from vllm.config import WeightTransferConfig
+
+            kwargs["weight_transfer_config"] = WeightTransferConfig(backend=self._transfer)
+        return LLM(**kwargs)
+
+    # ---- generation ------------------------------------------------------------------------------
+    def _sampling(self, params: SamplingParams, index: int):
+        from vllm import SamplingParams as VSP
+
+        mode = getattr(params.logprob_mode, "value", params.logprob_mode)
+        truncated = params.temperature > 0 and (params.top_k > 0 or params.top_p < 1.0)
+        if mode == "raw" and truncated:
+            raise ValueError("rollout.logprob_mode='raw' with top-k/top-p is not available with "
+                             "rollout.engine=vllm (vLLM reports processed log-probs); use 'processed'")
+        seed = None if params.seed is None else (int(params.seed) * 1_000_003 + index) % (1 << 63)
+        return VSP(max_tokens=int(params.max_new_tokens), temperature=float(params.temperature),
+                   top_p=float(params.top_p), top_k=int(params.top_k), seed=seed, logprobs=0,
+                   stop_token_ids=[int(t) for t in params.stop_token_ids], ignore_eos=True,
+                   detokenize=False)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+        if self._broken:
+            raise RuntimeError(self._broken)
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("vllm engine: empty prompt (every prompt needs at least one token)")
+        engine = self.llm.llm_engine
+        call, self._calls = self._calls, self._calls + 1
+        index: dict[str, int] = {}
+        internal: list[str] = []
+        self.meter.reset()
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            ext = f"c{call}-r{i}"
+            rid = engine.add_request(ext, {"prompt_token_ids": [int(t) for t in p]},
+                                     self._sampling(params, i))
+            index[ext] = index[rid] = i
+            internal.append(rid)
+        finished: dict[int, object] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[index[out.request_id]] = out
+        elapsed = time.perf_counter() - t0
+        outs = [self._output(prompts[i], finished[i], internal[i]) for i in range(len(prompts))]
+        self.last_stats = {"allocated_kv_bytes": self.meter.pool_bytes(),
+                           "peak_kv_bytes": self.meter.peak_total, "time_s": elapsed,
+                           "tokens": sum(len(o.response_ids) for o in outs)}
+        return outs
+
+    def _output(self, prompt, req_out, rid: str) -> GenerationOutput:
+        c = req_out.outputs[0]
+        ids = [int(t) for t in c.token_ids]
+        logps = [float(next(iter(d.values())).logprob) if len(d) == 1 else
+                 float(d[t].logprob) for d, t in zip(c.logprobs or [], ids)]
+        if len(logps) != len(ids):
+            raise RuntimeError(f"vllm engine: {len(logps)} log-probs for {len(ids)} tokens")
+        reason = "stop" if c.finish_reason == "stop" else "length"
+        return GenerationOutput(
+            prompt_ids=list(prompt), response_ids=ids, logprobs=logps, finish_reason=reason,
+            kept_ratio=kvmod.kept_ratio(len(prompt), len(ids), self.window),
+            peak_kv_bytes=int(self.meter.peak.get(rid, 0)))
+
+    # ---- weights ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Validate, then reload in memory (``reload_weights``), then reset the prefix cache."""
+        if self._broken:
+            raise RuntimeError(self._broken)
+        items = validate(named_tensors, self._spec)
+        items = [(n, t.detach().to("cpu", self.dtype).contiguous()) for n, t in items]
+        try:
+            self.llm.collective_rpc("reload_weights",
+                                    kwargs={"weights_iterator": iter(items),
+                                            "is_checkpoint_format": True})
+        except BaseException as exc:
+            self._broken = (f"vllm engine: weight reload failed ({exc!r}); its parameters may be "
+                            f"on the meta device: rebuild the engine")
+            raise
+        self.llm.reset_prefix_cache()
+        self._ledger.record(items)
+        self.version = int(version)
+
+    def state_checksum(self) -> float:
+        """``common.modeling.checksum`` of the HF-named weights last loaded successfully (vLLM's own
+        parameters are fused/repacked and cannot be read back as HF tensors)."""
+        if self._ledger is None:
+            raise RuntimeError("vllm engine: no checksum after an NCCL weight transfer (the "
+                               "tensors never passed through this process)")
+        return self._ledger.checksum()
+
+    # ---- GPU: vLLM's NCCL weight transfer (real path, untestable on CPU) ------------------------
+    def init_weight_transfer(self, master_address: str, master_port: int, rank_offset: int,
+                             world_size: int, packed: bool = True) -> None:
+        """Join the trainer's NCCL group (trainer = rank 0). Needs ``weight_transfer="nccl"``."""
+        if self._transfer != "nccl":
+            raise RuntimeError("init_weight_transfer needs VLLMEngine(weight_transfer='nccl')")
+        info = {"master_address": master_address, "master_port": int(master_port),
+                "rank_offset": int(rank_offset), "world_size": int(world_size), "packed": packed}
+        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": info})
+
+    def receive_weights_nccl(self, spec: list[tuple[str, tuple, torch.dtype]], version: int) -> None:
+        """Receive one broadcast of the HF-named tensors in ``spec`` order (a collective with the
+        trainer's NCCL send), then reset the prefix cache."""
+        unknown = [n for n, _, _ in spec if n not in self._spec]
+        if unknown:
+            raise ValueError(f"receive_weights_nccl: model has no parameter {unknown[0]!r}")
+        info = nccl_update_info(spec)
+        self.llm.collective_rpc("start_weight_update")
+        try:
+            self.llm.collective_rpc("update_weights", kwargs={"update_info": info})
+            self.llm.collective_rpc("finish_weight_update")
+        except BaseException as exc:
+            self._broken = f"vllm engine: NCCL weight update failed ({exc!r}): rebuild the engine"
+            raise
+        self.llm.reset_prefix_cache()
+        self._ledger = None
+        self.version = int(version)
