@@ -1,0 +1,128 @@
+"""Dense scorer: teacher-forced "old policy" log-probs of sampled responses under the full-KV model.
+
+Sparse rollouts record log-probs of a compressed-KV model; the correction needs the same tokens'
+log-probs under the dense model at (ideally) the same policy version, rho_t = pi_old / pi_sparse.
+The scorer computes them in one forward per micro-batch (no generation, no KV eviction) with
+``common.modeling.token_logprobs`` at the rollout temperature, exactly as the learner computes its
+new log-probs, so ratios are 1 when nothing changed.
+
+A plain class: the driver wraps it with ``ray.remote``. It receives weights like the rollout actors
+(``init_weight_sync`` once, then ``sync_weights`` per broadcast) and reports the version it scored with.
+"""
+from __future__ import annotations
+
+import enum
+
+import pyarrow as pa
+import torch
+
+from common.modeling import checksum, load_model, token_logprobs
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _dtype(cfg) -> torch.dtype:
+    value = getattr(cfg, "dtype", "float32")
+    value = value.value if isinstance(value, enum.Enum) else str(value)
+    if value not in _DTYPES:
+        raise ValueError(f"scorer.dtype must be one of {sorted(_DTYPES)}, got {value!r}")
+    return _DTYPES[value]
+
+
+def _rows(batch: pa.RecordBatch | pa.Table) -> tuple[list[str], list[list[int]], list[list[int]]]:
+    names = set(batch.schema.names)
+    missing = {"sample_id", "prompt_ids", "response_ids"} - names
+    if missing:
+        raise ValueError(f"scorer batch lacks column(s) {sorted(missing)}; has {sorted(names)}")
+    ids = [str(s) for s in batch.column("sample_id").to_pylist()]
+    prompts = batch.column("prompt_ids").to_pylist()
+    responses = [r or [] for r in batch.column("response_ids").to_pylist()]
+    for sid, p in zip(ids, prompts):
+        if not p:  # the first response token would have no context to be scored against
+            raise ValueError(f"scorer: sample {sid} has an empty prompt")
+    return ids, prompts, responses
+
+
+class ScorerActor:
+    """Dense teacher-forced scorer. ``cfg`` needs ``micro_batch`` (rows per forward) and
+    optionally ``dtype`` ("float32" | "bfloat16")."""
+
+    def __init__(self, cfg, model_path: str, temperature: float = 1.0):
+        if temperature <= 0:
+            raise ValueError(f"scorer temperature must be > 0 (the rollout's), got {temperature}")
+        torch.set_num_threads(1)  # one thread per actor process: 2-core machines oversubscribe
+        self.cfg, self.model_path, self.temperature = cfg, str(model_path), float(temperature)
+        self.micro_batch = int(cfg.micro_batch)
+        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        self.model = load_model(model_path, dtype=_dtype(cfg)).to(self.device)
+        pad = getattr(self.model.config, "pad_token_id", None)
+        self.pad_id = int(pad) if pad is not None else 0
+        self.version = 0
+        self._receiver = None
+
+    # ---- scoring ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def score(self, batch: pa.RecordBatch | pa.Table) -> tuple[list[str], list[list[float]]]:
+        """Log-probs of every response token given its prompt and preceding response tokens.
+
+        Returns (sample_ids, old_logprobs) in the batch's row order; ``old_logprobs[i]`` has one
+        float per response token of row i. Rows are grouped by length into micro-batches so padding
+        stays small; the order is restored afterwards.
+        """
+        ids, prompts, responses = _rows(batch)
+        out: list[list[float] | None] = [None] * len(ids)
+        order = sorted(range(len(ids)), key=lambda i: len(prompts[i]) + len(responses[i]))
+        for start in range(0, len(order), self.micro_batch):
+            chunk = order[start:start + self.micro_batch]
+            for i, lp in zip(chunk, self._score_rows([prompts[i] for i in chunk],
+                                                      [responses[i] for i in chunk])):
+                out[i] = lp
+        return ids, out
+
+    def _score_rows(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
+        lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
+        t = max(lens)
+        input_ids = torch.full((len(lens), t), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(lens), t), dtype=torch.long)
+        for b, (p, r) in enumerate(zip(prompts, responses)):
+            input_ids[b, :lens[b]] = torch.tensor(p + r, dtype=torch.long)
+            attn[b, :lens[b]] = 1
+        logp = token_logprobs(self.model, input_ids.to(self.device), attn.to(self.device),
+                              self.temperature).float().cpu()
+        return [logp[b, len(p):lens[b]].tolist() for b, p in enumerate(prompts)]
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    def weight_spec(self):
+        from cluster.weight_sync import weight_spec
+
+        return weight_spec(self.model)
+
+    def init_weight_sync(self, host: str, port: int, rank: int, world_size: int) -> None:
+        """Join the weight-sync group as ``rank`` (a collective with the learner and other actors)."""
+        from cluster.weight_sync import WeightReceiver
+
+        self._receiver = WeightReceiver(host, port, rank, world_size, self.weight_spec())
+
+    def sync_weights(self) -> int:
+        """Receive one broadcast (a collective with the learner's send), load it, return the version.
+        Called between ``score`` calls, so a batch is never scored with mixed weights."""
+        if self._receiver is None:
+            raise RuntimeError("sync_weights called before init_weight_sync")
+        version, named = self._receiver.receive()
+        self.load_weights(named, version)
+        return version
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors, version: int) -> None:
+        """Copy named tensors (HF names) into the model, casting to its dtype and device."""
+        params = dict(self.model.named_parameters())
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"scorer load_weights: model has no parameter {name!r}")
+            params[name].copy_(tensor.to(device=params[name].device, dtype=params[name].dtype))
+        self.version = int(version)
+
+    def state_checksum(self) -> float:
+        return checksum(self.model.named_parameters())
