@@ -67,6 +67,24 @@ def deepspeed_config(cfg: LearnerConfig, world_size: int) -> dict:
     }
 
 
+def logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``common.modeling.token_logprobs`` plus the entropy of each position's distribution.
+
+    Same alignment (position t holds the distribution that predicted token t; t=0 is 0) and the
+    same position ids; only used when the loss has an entropy bonus, since it keeps the whole
+    [B, T, V] distribution alive for the backward.
+    """
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=position_ids).logits[:, :-1].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    zero = picked.new_zeros(picked.shape[0], 1)
+    return torch.cat([zero, picked], dim=1), torch.cat([zero, entropy], dim=1)
+
+
 def _set_dist_env(rank: int, world_size: int, local_rank: int, addr: str, port: int) -> None:
     """DeepSpeed falls back to MPI discovery (and fails without mpi4py) unless these are set."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(local_rank),
@@ -248,11 +266,15 @@ class Learner:
         attn = tensors["attention_mask"][sl]
         t = max(2, int(attn.sum(1).max()))
         ids, attn = tensors["input_ids"][sl, :t], attn[:, :t]
-        new_logp = token_logprobs(self.engine, ids, attn, temperature)
+        if self.correction_cfg.loss.entropy_coef > 0:
+            new_logp, entropy = logprobs_and_entropy(self.engine, ids, attn, temperature)
+        else:  # the shared helper: the same numbers the scorer computes, no [B,T,V] entropy
+            new_logp, entropy = token_logprobs(self.engine, ids, attn, temperature), None
         ref = tensors.get("ref_logprobs")
         loss, m = policy_loss(new_logp, tensors["old_logprobs"][sl, :t].float(), adv[sl],
                               corr.weights[sl, :t], corr.loss_mask[sl, :t], self.correction_cfg,
-                              ref_logp=None if ref is None else ref[sl, :t].float())
+                              ref_logp=None if ref is None else ref[sl, :t].float(),
+                              entropy=entropy)
         # scale_wrt_gas=False: the share already normalises over every micro-batch of every rank
         self.engine.backward(loss * share, scale_wrt_gas=False)
         return loss.detach(), m

@@ -118,3 +118,19 @@ def test_broadcast_from_learner_to_a_receiver(model_dir, batch):
     th.join(60)
     assert got["version"] == 1
     assert got["checksum"] == pytest.approx(lrn.state_checksum(), rel=1e-9)
+
+
+def test_entropy_bonus_path_matches_token_logprobs(model_dir, batch):
+    from common.modeling import token_logprobs
+    from learner.learner import logprobs_and_entropy
+
+    model = load_model(model_dir)
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        lp, ent = logprobs_and_entropy(model, ids, attn, 0.8)
+        torch.testing.assert_close(lp, token_logprobs(model, ids, attn, 0.8))
+    assert (ent[:, 1:][attn[:, 1:] > 0] > 0).all() and (ent[:, 0] == 0).all()
+    corr = CorrectionConfig()
+    corr.loss.entropy_coef = 0.01
+    m = _learner(model_dir, zero_stage=1, correction=corr).train_step(batch, temperature=0.8)
+    assert m["loss/entropy"] > 0
