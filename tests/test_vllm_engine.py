@@ -15,27 +15,11 @@ import torch  # noqa: E402
 
 from actors.config import KVConfig, RolloutConfig  # noqa: E402
 from actors.engine import SamplingParams  # noqa: E402
+from actors.vllm.testing import build_model  # noqa: E402
 from common.errors import ConfigError  # noqa: E402
 
 LOGP_TOL = 1e-4
 PROMPTS = [[1, 40, 41, 42, 43], [1, 60, 61], [1, 70, 71, 72, 73, 74, 75, 76, 77], [1, 50]]
-
-
-def build_model(out, seed: int = 0):
-    """Random Qwen2 (hidden 64, 2 layers, 2 heads of 32, 1 KV head; vocab 128) + char tokenizer.
-    Larger init std than HF's default, so greedy continuations vary instead of repeating a token.
-    (vLLM's CPU attention needs head_dim >= 32.)"""
-    from transformers import AutoModelForCausalLM
-
-    from actors.native.tiny import char_tokenizer, tiny_config
-
-    cfg = tiny_config("qwen2", hidden=64, layers=2, heads=2, kv_heads=1, vocab=128, max_pos=2048)
-    cfg.initializer_range = 0.2
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg)
-    model.save_pretrained(str(out))
-    char_tokenizer().save_pretrained(str(out))
-    return out
 
 
 @pytest.fixture(scope="module")
