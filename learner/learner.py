@@ -106,6 +106,22 @@ def _disable_shm_comm() -> None:
     deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
+def _reset_adam_step_counts(opt: torch.optim.Optimizer) -> None:
+    """Undo the step count of DeepSpeed's state-allocating dummy step.
+
+    With bf16 and ZeRO-0, DeepSpeed's FP16_UnfusedOptimizer calls ``optimizer.step()`` once with zero
+    gradients at initialize. The moments stay 0, but Adam's step counter becomes 1, so the first
+    real update's bias correction is off (measured: 0.74 x lr instead of lr). Nothing has trained yet,
+    so every counter must be 0.
+    """
+    for state in opt.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif step is not None:
+            state["step"] = 0
+
+
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices only: biases and norm gains (1-D) are not decayed (standard AdamW practice)."""
     decay, no_decay = [], []
@@ -163,6 +179,7 @@ class Learner:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=opt, lr_scheduler=sched,
             config=deepspeed_config(cfg, world_size))
+        _reset_adam_step_counts(opt)
         self.init_seconds = time.time() - t0
         self._zero3 = int(cfg.zero_stage) == 3
         self._full: dict[str, torch.Tensor] | None = None

@@ -134,3 +134,16 @@ def test_entropy_bonus_path_matches_token_logprobs(model_dir, batch):
     corr.loss.entropy_coef = 0.01
     m = _learner(model_dir, zero_stage=1, correction=corr).train_step(batch, temperature=0.8)
     assert m["loss/entropy"] > 0
+
+
+@pytest.mark.parametrize("a,b", [((0, "bf16"), (1, "bf16")), ((0, "fp32"), (3, "fp32"))])
+def test_zero_stages_take_the_same_step(model_dir, batch, a, b):
+    """Stages differ in where state lives, not in the update (this caught DeepSpeed's bf16 ZeRO-0
+    dummy optimizer step that shifted Adam's bias correction)."""
+    out = []
+    for stage, dtype in (a, b):
+        lrn = _learner(model_dir, zero_stage=stage, dtype=dtype, micro_batch_size=5)
+        lrn.train_step(batch)
+        out.append(dict(lrn.named_weights()))
+    for n in out[0]:
+        torch.testing.assert_close(out[0][n].float(), out[1][n].float(), rtol=1e-2, atol=2e-5)
