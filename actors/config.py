@@ -15,7 +15,7 @@ from common.validate import check_range
 
 class EngineKind(str, enum.Enum):
     native = "native"   # actors/native: batched PyTorch engine with compressed KV (default)
-    vllm = "vllm"       # placeholder for a later issue (dense vLLM peer); not implemented yet
+    vllm = "vllm"       # actors/vllm: optional vLLM peer (dense / sliding window), needs vLLM
 
 
 class KVPolicy(str, enum.Enum):

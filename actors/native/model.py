@@ -35,11 +35,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """
     b, hq, t, d = q.shape
     hkv = k.shape[1]
-    qg = q.view(b, hkv, hq // hkv, t, d)
-    scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).float() * scaling
+    g = hq // hkv
+    # Fold the query heads of a group into the query axis: one batched GEMM per KV head that reads
+    # the cache in place (a broadcast matmul against k.unsqueeze(2) would copy the cache every step).
+    qg = q.reshape(b, hkv, g * t, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, hkv, g, t, -1).float() * scaling
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs.to(v.dtype), v.unsqueeze(2)).reshape(b, hq, t, d)
+    out = torch.matmul(probs.to(v.dtype).view(b, hkv, g * t, -1), v).view(b, hq, t, d)
     return out, (probs if want_probs else None)
 
 

@@ -49,7 +49,7 @@ class LayerView:
 
 def layer_view(store, i: int, rows: torch.Tensor, seen: torch.Tensor, dec) -> LayerView:
     """Build the view of layer i for rows; seen [R] = tokens processed by each row so far."""
-    keys, pos, n = store.k[i][rows], store.pos[i][rows], store.n[rows]
+    keys, pos, n = store.k[i][rows], store.pos[i][rows], store.n.to(rows.device)[rows]
     acc = store.acc[i][rows] if store.acc is not None else None
     win = None
     if store.qwin is not None:
@@ -64,10 +64,11 @@ def window_logits(q: torch.Tensor, seen: torch.Tensor, keys: torch.Tensor, pos: 
     r, hq, w, d = q.shape
     hkv, s = keys.shape[1], keys.shape[2]
     last = seen - 1
-    qpos = last[:, None] - ((last[:, None] - torch.arange(w)[None]) % w)          # [R,w]
+    dev = keys.device
+    qpos = last[:, None] - ((last[:, None] - torch.arange(w, device=dev)[None]) % w)  # [R,w]
     logits = torch.matmul(q.view(r, hkv, hq // hkv, w, d).float(),
                           keys.unsqueeze(2).transpose(-1, -2).float()) * scaling
-    valid = torch.arange(s)[None] < n[:, None]                                      # [R,S]
+    valid = torch.arange(s, device=dev)[None] < n[:, None]                         # [R,S]
     vis = (valid[:, None, None, None, :] & (pos[:, :, None, None, :] <= qpos[:, None, None, :, None])
            & (qpos >= 0)[:, None, None, :, None])
     return logits.masked_fill(~vis, float("-inf"))
@@ -78,7 +79,8 @@ def select(policy: KVPolicy, kv: KVConfig, budget: int, view: LayerView) -> torc
     policy = KVPolicy(policy)
     if policy == KVPolicy.streaming:
         s = view.keys.shape[2]
-        recency = torch.arange(s, dtype=torch.float32).expand(view.pos.shape)
+        recency = torch.arange(s, dtype=torch.float32, device=view.pos.device)
+        recency = recency.expand(view.pos.shape)
         return _keep(recency, view.n, budget, first=kv.sink_tokens, last=0)
     if policy == KVPolicy.h2o:
         return _keep(view.acc, view.n, budget, first=0, last=round(budget * kv.recent_ratio))
@@ -94,7 +96,7 @@ def select(policy: KVPolicy, kv: KVConfig, budget: int, view: LayerView) -> torc
 def _keep(scores: torch.Tensor, n: torch.Tensor, budget: int, first: int, last: int) -> torch.Tensor:
     """Top-``budget`` valid slots by score, always keeping the first ``first`` and last ``last``."""
     s = scores.shape[-1]
-    slot = torch.arange(s)[None, None]
+    slot = torch.arange(s, device=scores.device)[None, None]
     nn_ = n[:, None, None]
     valid = slot < nn_
     forced = valid & ((slot < first) | (slot >= nn_ - last))
@@ -113,7 +115,7 @@ def rkv_scores(win: torch.Tensor, keys: torch.Tensor, n: torch.Tensor, w: int, k
                lam: float) -> torch.Tensor:
     """R-KV final score [R,Hkv,S] = lam * importance - (1 - lam) * redundancy."""
     s = keys.shape[2]
-    slot = torch.arange(s)[None, None, None, None]
+    slot = torch.arange(s, device=keys.device)[None, None, None, None]
     in_window = slot >= (n[:, None, None, None, None] - w)
     logits = win.amax(dim=2, keepdim=True).masked_fill(in_window, float("-inf"))
     importance = torch.softmax(logits, dim=-1).nan_to_num(0.0).mean(dim=3).squeeze(2)
@@ -121,18 +123,23 @@ def rkv_scores(win: torch.Tensor, keys: torch.Tensor, n: torch.Tensor, w: int, k
     return lam * importance - (1.0 - lam) * redundancy(keys, n)
 
 
-def redundancy(keys: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """R-KV redundancy [R,Hkv,S] from key cosine similarity (invalid slots excluded)."""
+def redundancy(keys: torch.Tensor, n: torch.Tensor, chunk: int = 8) -> torch.Tensor:
+    """R-KV redundancy [R,Hkv,S] from key cosine similarity (invalid slots excluded).
+
+    The [S,S] similarity is built for ``chunk`` rows at a time to bound the transient memory."""
+    if keys.shape[0] > chunk:
+        return torch.cat([redundancy(keys[c:c + chunk], n[c:c + chunk], chunk)
+                          for c in range(0, keys.shape[0], chunk)])
     s = keys.shape[2]
-    valid = torch.arange(s)[None] < n[:, None]                               # [R,S]
-    k = F.normalize(keys.float(), dim=-1, eps=1e-8)
+    ar = torch.arange(s, device=keys.device)
+    valid = ar[None] < n[:, None]                                            # [R,S]
+    k = F.normalize(keys.float(), dim=-1, eps=1e-8) * valid[:, None, :, None]
     sim = torch.matmul(k, k.transpose(-1, -2))                               # [R,Hkv,S(i),S(j)]
-    pair = valid[:, None, :, None] & valid[:, None, None, :] & ~torch.eye(s, dtype=torch.bool)
-    sim = sim.masked_fill(~pair, 0.0)
-    similar = sim > RKV_SIM_THRESHOLD
-    latest = torch.where(similar, torch.arange(s), -1).amax(dim=-1, keepdim=True)   # [R,Hkv,S,1]
-    drop = (torch.arange(s) == latest) & (latest >= 0)
-    sim = sim.masked_fill(drop, 0.0)
+    sim.diagonal(dim1=-2, dim2=-1).zero_()
+    # for every key i, its most recent similar key j is not counted as redundant because of i
+    latest = ((sim > RKV_SIM_THRESHOLD) * (ar + 1).float()).amax(dim=-1, keepdim=True).long() - 1
+    has = latest >= 0
+    sim.scatter_(-1, latest.clamp(min=0), sim.gather(-1, latest.clamp(min=0)) * ~has)
     mean_sim = sim.sum(dim=-2) / n[:, None, None].float()
     return torch.softmax(mean_sim.masked_fill(~valid[:, None], float("-inf")), dim=-1)
 
