@@ -24,47 +24,54 @@ class _Net(torch.nn.Module):
         self.d = torch.nn.Parameter(torch.randn(300, generator=g))
 
 
-def _worker(rank, world, port, seed, wide, versions, q):
+def _scenario(rank, world, port, seed, wide, versions):
+    """One group: rank 0 sends ``versions`` (changing weights in between), the others receive."""
+    net = _Net(seed, wide)
+    if rank == 0:
+        s = WeightSender("127.0.0.1", port, world, weight_spec(net), bucket_bytes=256, timeout_s=30)
+        for v in versions:
+            s.send(net.named_parameters(), v)
+            with torch.no_grad():  # change weights so the second round is a real update
+                net.a.add_(1.0)
+        return None
+    # receivers hold an all-fp32 model: the wire dtypes are the sender's (c is bf16)
+    r = WeightReceiver("127.0.0.1", port, rank, world, weight_spec(net.float()), timeout_s=30)
+    got = []
+    for _ in versions:
+        v, named = r.receive()
+        got.append((v, checksum(named), [n for n, _ in named], {n: str(t.dtype) for n, t in named}))
+    return got
+
+
+def _worker(rank, world, ports, q):
+    """Both scenarios in one process each (process start-up dominates these tests' time)."""
     torch.set_num_threads(1)
-    try:
-        net = _Net(seed, wide)
-        spec = weight_spec(net)
-        if rank == 0:
-            s = WeightSender("127.0.0.1", port, world, spec, bucket_bytes=256, timeout_s=30)
-            for v in versions:
-                s.send(net.named_parameters(), v)
-                with torch.no_grad():  # change weights so the second round is a real update
-                    net.a.add_(1.0)
-            q.put((rank, "ok", None))
-        else:
-            # receivers hold an all-fp32 model: the wire dtypes are the sender's (c is bf16)
-            spec = weight_spec(net.float())
-            r = WeightReceiver("127.0.0.1", port, rank, world, spec, timeout_s=30)
-            got = []
-            for _ in versions:
-                v, named = r.receive()
-                got.append((v, checksum(named), [n for n, _ in named],
-                            {n: str(t.dtype) for n, t in named}))
-            q.put((rank, "ok", got))
-    except Exception as e:  # report to the parent instead of dying silently
-        q.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    out = {}
+    for name, port, wide in (("good", ports[0], 7), ("mismatch", ports[1], 8 if rank == 2 else 7)):
+        try:
+            out[name] = ("ok", _scenario(rank, world, port, 100 + rank, wide, [3, 4]))
+        except Exception as e:  # report to the parent instead of dying silently
+            out[name] = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    q.put((rank, out))
 
 
-def _run(world, wides, versions=(3, 4)):
+@pytest.fixture(scope="module")
+def results():
+    """{scenario: {rank: (status, payload)}} from 3 processes: sender + 2 receivers."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, 100 + r, wides[r], list(versions), q))
-             for r in range(world)]
+    ports = [free_port(), free_port()]
+    procs = [ctx.Process(target=_worker, args=(r, 3, ports, q)) for r in range(3)]
     for p in procs:
         p.start()
-    results = {}
+    res: dict = {"good": {}, "mismatch": {}}
     for _ in procs:
-        rank, status, payload = q.get(timeout=90)
-        results[rank] = (status, payload)
+        rank, out = q.get(timeout=120)
+        for name, value in out.items():
+            res[name][rank] = value
     for p in procs:
         p.join(timeout=30)
-    return results
+    return res
 
 
 def test_plan_buckets_splits_on_dtype_and_size():
@@ -76,8 +83,8 @@ def test_plan_buckets_splits_on_dtype_and_size():
     assert any(b.entries == ((3, 0, 300),) for b in buckets)
 
 
-def test_broadcast_three_processes_checksums_and_version():
-    res = _run(3, wides=[7, 7, 7])
+def test_broadcast_three_processes_checksums_and_version(results):
+    res = results["good"]
     assert all(s == "ok" for s, _ in res.values()), res
     sender = _Net(100)
     expected = [checksum(sender.named_parameters())]
@@ -92,8 +99,8 @@ def test_broadcast_three_processes_checksums_and_version():
         assert got[0][3]["c"] == "torch.bfloat16" and got[0][3]["a"] == "torch.float32"
 
 
-def test_mismatched_spec_fails_everywhere_with_clear_error():
-    res = _run(3, wides=[7, 7, 8])  # rank 2's model differs
+def test_mismatched_spec_fails_everywhere_with_clear_error(results):
+    res = results["mismatch"]  # rank 2's model differs
     assert all(s == "error" for s, _ in res.values()), res
     for _, msg in res.values():
         assert "spec mismatch" in msg
