@@ -103,6 +103,8 @@ class ScorerActor:
         """Join the weight-sync group as ``rank`` (a collective with the learner and other actors)."""
         from cluster.weight_sync import WeightReceiver
 
+        if self._receiver is not None:  # re-forming (actor restart / pool resize): leave the old one
+            self._receiver.close()
         self._receiver = WeightReceiver(host, port, rank, world_size, self.weight_spec())
 
     def sync_weights(self) -> int:

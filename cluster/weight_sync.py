@@ -181,8 +181,10 @@ class _Group:
         self.pg.broadcast(tensor, 0).wait()
 
     def close(self) -> None:
-        """Drop the group; the store closes when rank 0's object goes away."""
+        """Leave the group (before re-forming it, e.g. on a new port after an actor restart or a
+        pool resize). Rank 0's TCPStore server stops when its last reference goes."""
         self.pg = None
+        self.store = None
 
 
 class WeightSender(_Group):

@@ -356,6 +356,8 @@ class Learner:
 
         if self.rank != 0:
             raise RuntimeError("only learner rank 0 sends weights")
+        if self._sender is not None:  # re-forming (actor restart / pool resize): leave the old group
+            self._sender.close()
         self._sender = WeightSender(host, port, world_size, self.weight_spec(), backend=backend,
                                     bucket_bytes=int(bucket_mb) << 20)
 

@@ -105,3 +105,28 @@ def test_mismatched_spec_fails_everywhere_with_clear_error(results):
     for _, msg in res.values():
         assert "spec mismatch" in msg
         assert "rank 2: entry 0: receiver has ['a', [13, 8]" in msg and "sender has ['a', [13, 7]" in msg
+
+
+def test_group_re_forms_on_a_new_port_in_the_same_processes():
+    """After close(), the same sender/receiver processes join a fresh group (actor restart,
+    pool resize) and weights keep flowing; threads stand in for processes here."""
+    import threading
+
+    net = _Net(1)
+    spec = weight_spec(net)
+    got = []
+
+    def receiver(port):
+        r = WeightReceiver("127.0.0.1", port, 1, 2, spec, timeout_s=30)
+        got.append(r.receive()[0])
+        r.close()
+
+    for version in (1, 2):
+        port = free_port()
+        th = threading.Thread(target=receiver, args=(port,))
+        th.start()
+        s = WeightSender("127.0.0.1", port, 2, spec, timeout_s=30)
+        s.send(net.named_parameters(), version)
+        th.join(30)
+        s.close()
+    assert got == [1, 2]
