@@ -1,0 +1,214 @@
+"""Rollout engine benchmark: tokens/s and peak KV bytes, dense vs each KV policy, with peers.
+
+    python bench/rollout.py --quick                 # ~2 min on a quiet 2-core CPU
+    python bench/rollout.py --json runs/bench_rollout.json
+    python bench/rollout.py --models tiny,mid --lengths 512,2048,8192 --batch 16
+
+Rows: the native engine dense and with every policy at budgets {12.5%, 25%, 50%} of the generation
+length (``compress_every`` = 128, the paper's N), and the peers in the same run: HF ``generate``
+with a static cache (and with its default dynamic cache), and vLLM dense where vLLM is installed.
+Every row generates exactly ``gen_len`` tokens per sequence (no stop tokens) from ``batch`` random
+prompts of ``prompt_len`` tokens, temperature 1. ``tok_per_s`` = generated tokens / wall time of
+the call (prefill included). ``peak_kv_bytes``: native = the preallocated K/V tensors of the batch
+(what is actually held: ``batch * cap * bytes/token`` with cap = budget + N for sparse policies);
+HF static = its static cache (``batch * (prompt_len + gen_len)`` tokens); HF dynamic = the final
+cache size; vLLM = its measured KV blocks. Ratios ``speed_vs_dense`` and ``kv_vs_dense`` are
+against dense-native of the same model and length, in the same run.
+
+Models: ``tiny`` = ``.cache/models/tiny-base`` when present, else a random-weight Qwen2 of the same
+size class (hidden 256, 4 layers); ``mid`` = a random-weight model of the tiny model's architecture
+with ~75M parameters (hidden 768, 12 layers). Timings on a shared CPU are noisy; compare ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from actors.config import KVConfig  # noqa: E402
+from actors.engine import SamplingParams  # noqa: E402
+from actors.native import NativeEngine  # noqa: E402
+from common.modeling import load_model  # noqa: E402
+
+POLICIES = ("streaming", "h2o", "snapkv", "rkv")
+FIELDS = ("model", "engine", "policy", "budget_frac", "budget", "gen_len", "batch", "tok_per_s",
+          "peak_kv_bytes", "speed_vs_dense", "kv_vs_dense", "seconds")
+
+
+def model_dirs(names: list[str], tmp: Path) -> dict[str, Path]:
+    """Resolve model names to HF directories (random-weight ones are built in tmp)."""
+    from actors.native.tiny import build_tiny
+
+    base = ROOT / ".cache/models/tiny-base"
+    out = {}
+    tiny_cfg = None
+    if (base / "config.json").is_file():
+        out["tiny"] = base
+        from transformers import AutoConfig
+
+        tiny_cfg = AutoConfig.from_pretrained(str(base))
+    else:
+        out["tiny"] = build_tiny(tmp / "tiny", "qwen2", hidden=256, layers=4, heads=4, kv_heads=2,
+                                 vocab=512)
+    if "mid" in names:
+        arch = tiny_cfg.model_type if tiny_cfg is not None else "qwen2"
+        vocab = tiny_cfg.vocab_size if tiny_cfg is not None else 512
+        heads, kv = 12, 4
+        if tiny_cfg is not None:
+            ratio = tiny_cfg.num_attention_heads // tiny_cfg.num_key_value_heads
+            kv = max(1, heads // ratio)
+        out["mid"] = build_tiny(tmp / "mid", arch, hidden=768, layers=12, heads=heads, kv_heads=kv,
+                                vocab=vocab, intermediate=2048)
+    return {n: out[n] for n in names}
+
+
+def prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, prompt_len), generator=g).tolist()
+
+
+def run_native(model, ps, gen_len: int, policy: str, frac: float | None, every: int) -> dict:
+    budget = 0 if policy == "dense" else max(16, int(frac * gen_len))
+    kv = KVConfig(policy=policy, budget=max(budget, 16), compress_every=every)
+    eng = NativeEngine(model, kv, batch_size=len(ps))
+    t0 = time.perf_counter()
+    outs = eng.generate(ps, SamplingParams(max_new_tokens=gen_len, seed=0))
+    dt = time.perf_counter() - t0
+    toks = sum(len(o.response_ids) for o in outs)
+    return {"engine": "native", "policy": policy, "budget_frac": frac or 1.0, "budget": budget,
+            "tok_per_s": toks / dt, "peak_kv_bytes": eng.last_stats["allocated_kv_bytes"],
+            "seconds": dt}
+
+
+def kv_bytes_per_token(model) -> int:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    elem = next(model.parameters()).element_size()
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem
+
+
+def run_hf(model, ps, gen_len: int, cache: str) -> dict:
+    ids = torch.tensor(ps)
+    kw = {"cache_implementation": "static"} if cache == "static" else {}
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen_len,
+                             min_new_tokens=gen_len, do_sample=True, top_k=0, pad_token_id=0, **kw)
+    dt = time.perf_counter() - t0
+    toks = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    kv = ids.shape[0] * (ids.shape[1] + gen_len) * kv_bytes_per_token(model)
+    return {"engine": f"hf-{cache}", "policy": "dense", "budget_frac": 1.0, "budget": 0,
+            "tok_per_s": toks / dt, "peak_kv_bytes": kv, "seconds": dt}
+
+
+def run_vllm(path: Path, ps, gen_len: int) -> dict | None:
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    from actors.vllm import VLLMEngine
+
+    eng = VLLMEngine(path, KVConfig(policy="dense"), batch_size=len(ps),
+                     max_model_len=len(ps[0]) + gen_len + 16)
+    t0 = time.perf_counter()
+    outs = eng.generate(ps, SamplingParams(max_new_tokens=gen_len, seed=0))
+    dt = time.perf_counter() - t0
+    return {"engine": "vllm", "policy": "dense", "budget_frac": 1.0, "budget": 0,
+            "tok_per_s": sum(len(o.response_ids) for o in outs) / dt,
+            "peak_kv_bytes": eng.last_stats.get("peak_kv_bytes", 0), "seconds": dt}
+
+
+def bench(args) -> list[dict]:
+    torch.set_num_threads(args.threads)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, path in model_dirs(args.models, Path(tmp)).items():
+            model = load_model(path)
+            vocab = model.config.vocab_size
+            run_native(model, prompts(2, 8, vocab), 8, "dense", None, 128)          # warm-up
+            for gen_len in args.lengths:
+                batch = args.batch if gen_len <= 2048 else max(1, args.batch // 4)
+                ps = prompts(batch, args.prompt_len, vocab)
+                base = {"model": name, "gen_len": gen_len, "batch": batch}
+                found = [run_native(model, ps, gen_len, "dense", None, args.every)]
+                for frac in args.budgets:
+                    for policy in args.policies:
+                        found.append(run_native(model, ps, gen_len, policy, frac, args.every))
+                if gen_len <= args.peer_max_len:
+                    for cache in args.hf:
+                        found.append(run_hf(model, ps, gen_len, cache))
+                    if args.vllm:
+                        found.append(run_vllm(path, ps, gen_len))
+                dense = found[0]
+                for r in found:
+                    if r is None:
+                        continue
+                    r.update(base, speed_vs_dense=r["tok_per_s"] / dense["tok_per_s"],
+                             kv_vs_dense=r["peak_kv_bytes"] / dense["peak_kv_bytes"])
+                    rows.append(r)
+                    print(fmt_row(r), flush=True)
+    return rows
+
+
+COLUMNS = (("model", 5, "{}"), ("engine", 11, "{}"), ("policy", 9, "{}"),
+           ("budget_frac", 11, "{:.3f}"), ("budget", 6, "{}"), ("gen_len", 7, "{}"),
+           ("batch", 5, "{}"), ("tok_per_s", 9, "{:.0f}"), ("peak_kv_MiB", 11, "{:.2f}"),
+           ("speed_vs_dense", 14, "{:.2f}x"), ("kv_vs_dense", 11, "{:.3f}"), ("seconds", 7, "{:.1f}"))
+HEADER = " ".join(f"{name:>{w}}" if i > 2 else f"{name:<{w}}"
+                  for i, (name, w, _) in enumerate(COLUMNS))
+
+
+def fmt_row(r: dict) -> str:
+    vals = dict(r, peak_kv_MiB=r["peak_kv_bytes"] / 2**20)
+    cells = [f.format(vals[name]) for name, _, f in COLUMNS]
+    return " ".join(f"{c:>{w}}" if i > 2 else f"{c:<{w}}"
+                    for i, (c, (_, w, _)) in enumerate(zip(cells, COLUMNS)))
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="reduced set (~2 min)")
+    ap.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
+    ap.add_argument("--models", default="tiny,mid")
+    ap.add_argument("--lengths", default="512,2048,8192")
+    ap.add_argument("--budgets", default="0.125,0.25,0.5", help="fractions of gen_len")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--batch", type=int, default=16, help="batch (a quarter of it above 2048)")
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--every", type=int, default=128, help="compress_every (N)")
+    ap.add_argument("--hf", default="static,dynamic", help="HF generate peers ('' for none)")
+    ap.add_argument("--peer-max-len", type=int, default=2048, help="longest gen_len for peers")
+    ap.add_argument("--no-vllm", dest="vllm", action="store_false")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.models, args.lengths, args.budgets = "tiny", "512,2048", "0.25"
+        args.batch, args.peer_max_len = 4, 512
+    args.models = [m for m in args.models.split(",") if m]
+    args.lengths = [int(x) for x in args.lengths.split(",") if x]
+    args.budgets = [float(x) for x in args.budgets.split(",") if x]
+    args.policies = [p for p in args.policies.split(",") if p]
+    args.hf = [h for h in args.hf.split(",") if h]
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse(argv)
+    print(HEADER, flush=True)
+    rows = bench(args)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps([{k: r[k] for k in FIELDS} for r in rows], indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
