@@ -129,9 +129,10 @@ class _Group:
                                    timeout=self.timeout, wait_for_workers=False)
         self._agree_on_spec()
         self.buckets = plan_buckets(self.spec, self.bucket_bytes)
+        self.pg = self._make_pg()
+        # NCCL moves CUDA tensors only: buckets live on this process's current GPU
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
             else torch.device("cpu")
-        self.pg = self._make_pg()
 
     def _agree_on_spec(self) -> None:
         """Rank 0 publishes its spec; every receiver reports a diff; rank 0 publishes one verdict.

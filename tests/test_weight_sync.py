@@ -130,3 +130,11 @@ def test_group_re_forms_on_a_new_port_in_the_same_processes():
         th.join(30)
         s.close()
     assert got == [1, 2]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_nccl_without_cuda_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="nccl' needs a CUDA build"):
+        WeightSender("127.0.0.1", free_port(), 1, weight_spec(_Net(0)), backend="nccl", timeout_s=5)
+    with pytest.raises(ValueError, match="'gloo' or 'nccl'"):
+        WeightSender("127.0.0.1", free_port(), 1, weight_spec(_Net(0)), backend="mpi")
