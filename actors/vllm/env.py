@@ -31,6 +31,7 @@ def setup_env() -> Path:
         # No CPU pinning: the engine shares a few cores with the learner and other actors; the
         # thread count is set by VLLMEngine(threads=...) before the engine starts.
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_LOGGING_LEVEL": "WARNING",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     }
