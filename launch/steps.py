@@ -42,7 +42,7 @@ class PromptSampler:
         return {"epoch": self.epoch, "index": self.index}
 
 
-def split(items: list, n: int) -> list[list]:
+def split(items, n: int) -> list:
     """``items`` in ``n`` contiguous, nearly equal chunks (some may be empty when n > len)."""
     k, r = divmod(len(items), n)
     out, start = [], 0
@@ -51,6 +51,29 @@ def split(items: list, n: int) -> list[list]:
         out.append(items[start:end])
         start = end
     return out
+
+
+def split_rows(batch, n: int) -> list:
+    """Contiguous row slices of an Arrow batch, one per actor (empty slices left out)."""
+    out, start = [], 0
+    for part in split(range(batch.num_rows), n):
+        if len(part):
+            out.append(batch.slice(start, len(part)))
+        start += len(part)
+    return out
+
+
+def split_groups(batch, n: int) -> list:
+    """Whole groups per data-parallel learner: GRPO advantages are computed within a group."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    groups = pc.unique(batch.column("group_id")).to_pylist()
+    parts = split(groups, n)
+    if any(not g for g in parts):
+        raise ValueError(f"{len(groups)} groups cannot feed {n} learners: raise run.prompts_per_step "
+                         f"to at least learner.num_learners")
+    return [batch.filter(pc.is_in(batch.column("group_id"), pa.array(g))) for g in parts]
 
 
 def fan_out(actors: list, method: str, items: list, *args) -> list:
@@ -69,8 +92,8 @@ def evaluate(rollout_actors: list, problems: list, greedy: bool) -> float:
     refs = [a.evaluate.remote(chunk, greedy)
             for a, chunk in zip(rollout_actors, split(problems, len(rollout_actors))) if chunk]
     results = ray.get(refs)
-    total = sum(r["n"] for r in results)
-    return sum(r["accuracy"] * r["n"] for r in results) / max(total, 1)
+    total = sum(r["num_problems"] for r in results)
+    return sum(r["accuracy"] * r["num_problems"] for r in results) / max(total, 1)
 
 
 class MetricsLog:

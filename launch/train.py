@@ -1,0 +1,120 @@
+"""sparse-rl training, the whole data flow from top to bottom.
+
+    python launch/train.py [--config launch/configs/X.yaml] [key=value ...]
+    ray job submit --working-dir . -- python launch/train.py cluster.address=auto
+
+Each step: rollout actors generate G samples per prompt with a compressed KV cache and record the
+sampler's log-probs -> rows go into the Arrow buffer -> dense scorer actors fill in old-policy log-probs
+-> the learner corrects the sparse/dense mismatch (rejection sampling + importance weights), takes a
+GRPO/PPO step -> learner rank 0 broadcasts the new weights to every rollout and scorer actor.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.compute as pc
+
+
+def main(argv: list[str]) -> dict:
+    # 1. Config: merged and validated before anything starts (a bad key stops here, naming it).
+    from launch.config import load_config, to_yaml
+
+    cfg = load_config(argv)
+    # A fresh folder per run, so a second run never mixes with (or deletes) an earlier one's files.
+    run_dir = Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir.mkdir(parents=True, exist_ok=False)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+
+    import torch
+
+    from buffer.tensors import to_tensors
+    from cluster.pools import broadcast_weights, build_pools, connect_weight_sync
+    from cluster.ray_setup import start_ray
+    from common.modeling import load_tokenizer
+    from launch.steps import MetricsLog, PromptSampler, evaluate, fan_out, split_groups, split_rows
+    from tasks import make_task
+
+    torch.manual_seed(cfg.run.seed)
+    t_start = time.time()
+    log = MetricsLog(run_dir)
+
+    # 2. The task: training prompts in a seeded order, a fixed held-out slice for evaluation.
+    task = make_task(cfg.task)
+    heldout = task.problems("heldout")
+    heldout = heldout[:cfg.run.eval_problems] if cfg.run.eval_problems else heldout
+    sampler = PromptSampler(task.problems("train"), cfg.run.prompts_per_step, cfg.run.seed)
+    pad_id = load_tokenizer(cfg.rollout.model_path).pad_token_id
+
+    # 3. Ray (in-process on 127.0.0.1 unless cluster.address is set) and the actor pools.
+    ray = start_ray(cfg.cluster, run_dir)
+    pools = build_pools(cfg, str(run_dir))
+
+    # 4. One broadcast group, separate from DeepSpeed's: learner rank 0 -> rollout + scorer actors.
+    connect_weight_sync(pools, cfg)
+    version, sync = broadcast_weights(pools)  # everyone starts from the learner's exact weights
+    log.write({"step": 0, "version": version, **sync})
+
+    # 5. Held-out accuracy before RL.
+    acc_before = evaluate(pools.rollout, heldout, cfg.run.eval_greedy)
+    print(f"[eval] step 0: held-out accuracy {acc_before:.3f} on {len(heldout)} problems", flush=True)
+    log.write({"step": 0, "eval/accuracy": acc_before})
+
+    for step in range(1, cfg.run.steps + 1):
+        t0 = time.time()
+        # 6a. Sparse rollouts: G samples per prompt, sampler log-probs, rewards, policy version.
+        rows = fan_out(pools.rollout, "rollout", sampler.next(), version)
+        ray.get(pools.buffer.append.remote(rows))
+        t_roll = time.time() - t0
+
+        # 6b. Dense scorer: old-policy log-probs for every row waiting for them.
+        pending = ray.get(pools.buffer.pending_scoring.remote(len(rows)))
+        for ids, old in ray.get([s.score.remote(part) for s, part in
+                                 zip(pools.scorer, split_rows(pending, len(pools.scorer)))]):
+            ray.get(pools.buffer.set_scores.remote(ids, old, version))
+
+        # 6c. A batch of whole groups within the staleness bound -> padded tensors per learner.
+        batch = ray.get(pools.buffer.sample_batch.remote(cfg.run.prompts_per_step, version))
+        if batch is None:
+            raise RuntimeError(f"step {step}: the buffer had no complete scored groups to train on")
+        shards = [to_tensors(b, pad_id) for b in split_groups(batch, len(pools.learners))]
+
+        # 6d. Correction + GRPO/PPO step on every data-parallel learner (DeepSpeed all-reduces).
+        metrics = ray.get([lrn.train_step.remote(sh, cfg.rollout.temperature)
+                           for lrn, sh in zip(pools.learners, shards)])[0]
+        ray.get(pools.buffer.mark_consumed.remote(batch.column("sample_id").to_pylist()))
+
+        # 6e. New weights to every rollout and scorer actor, between generation batches.
+        version, sync = broadcast_weights(pools)
+
+        # 6f. Metrics: reward, mismatch and correction statistics, timings.
+        rewards = batch.column("reward").to_numpy()
+        record = {"step": step, "version": version, "reward": float(rewards.mean()),
+                  "response_len": float(pc.mean(batch.column("response_len")).as_py()),
+                  "kept_ratio": float(pc.mean(batch.column("kept_ratio")).as_py()),
+                  "time/rollout_s": t_roll, "time/step_s": time.time() - t0, **sync,
+                  **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
+        if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < cfg.run.steps:
+            record["eval/accuracy"] = evaluate(pools.rollout, heldout, cfg.run.eval_greedy)
+        show = ("step", "reward", "response_len", "kept_ratio", "loss", "eval/accuracy", "time/step_s")
+        log.write(record, show=show if step % cfg.run.log_every == 0 else ())
+
+    # 7. Held-out accuracy after RL, the trained model in HF format, and the summary.
+    acc_after = evaluate(pools.rollout, heldout, cfg.run.eval_greedy)
+    log.write({"step": cfg.run.steps, "eval/accuracy": acc_after})
+    ray.get(pools.learners[0].save_hf.remote(str(run_dir / "final")))
+    summary = {"steps": cfg.run.steps, "version": version, "time_s": round(time.time() - t_start, 1),
+               "accuracy_before": acc_before, "accuracy_after": acc_after, "run_dir": str(run_dir)}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    log.close()
+    ray.shutdown()
+    print(f"steps: {summary['steps']} (policy version {version})")
+    print(f"time: {summary['time_s']:.0f} s; metrics: {log.path}")
+    print(f"held-out accuracy: {acc_before:.2f} -> {acc_after:.2f}")
+    return summary
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
