@@ -6,7 +6,7 @@
 
 Rows: the native engine dense and with every policy at budgets {12.5%, 25%, 50%} of the generation
 length (``compress_every`` = 128, the paper's N), and the peers in the same run: HF ``generate``
-with a static cache (and with its default dynamic cache), and vLLM dense where vLLM is installed.
+with a static cache (and with its default dynamic cache), and vLLM dense and sliding-window (its ``streaming``) where vLLM is installed.
 Every row generates exactly ``gen_len`` tokens per sequence (no stop tokens) from ``batch`` random
 prompts of ``prompt_len`` tokens, temperature 1. ``tok_per_s`` = generated tokens / wall time of
 the call (prefill included). ``peak_kv_bytes``: native = the preallocated K/V tensors of the batch
@@ -111,17 +111,24 @@ def run_hf(model, ps, gen_len: int, cache: str) -> dict:
             "tok_per_s": toks / dt, "peak_kv_bytes": kv, "seconds": dt}
 
 
-def run_vllm(path: Path, ps, gen_len: int) -> dict | None:
+def run_vllm(path: Path, ps, gen_len: int, policy: str = "dense",
+             frac: float | None = None) -> dict | None:
+    """vLLM peer (actors/vllm): dense, or ``streaming`` = vLLM's sliding window of ``budget``
+    tokens (no attention sinks; docs/VLLM.md). KV blocks of 32 tokens (CPU default 128) so the
+    window's block granularity does not dominate at these lengths."""
     if importlib.util.find_spec("vllm") is None:
         return None
     from actors.vllm import VLLMEngine
 
-    eng = VLLMEngine(path, KVConfig(policy="dense"), batch_size=len(ps),
-                     max_model_len=len(ps[0]) + gen_len + 16)
+    budget = 0 if policy == "dense" else max(16, int(frac * gen_len))
+    kv = KVConfig(policy=policy, budget=max(budget, 16), sink_tokens=0)
+    eng = VLLMEngine(path, kv, batch_size=len(ps), max_model_len=len(ps[0]) + gen_len + 16,
+                     block_size=32)
+    eng.generate(ps[:2], SamplingParams(max_new_tokens=4, seed=0))   # warm-up (kernel compile)
     t0 = time.perf_counter()
     outs = eng.generate(ps, SamplingParams(max_new_tokens=gen_len, seed=0))
     dt = time.perf_counter() - t0
-    return {"engine": "vllm", "policy": "dense", "budget_frac": 1.0, "budget": 0,
+    return {"engine": "vllm", "policy": policy, "budget_frac": frac or 1.0, "budget": budget,
             "tok_per_s": sum(len(o.response_ids) for o in outs) / dt,
             "peak_kv_bytes": eng.last_stats.get("peak_kv_bytes", 0), "seconds": dt}
 
@@ -147,6 +154,8 @@ def bench(args) -> list[dict]:
                         found.append(run_hf(model, ps, gen_len, cache))
                     if args.vllm:
                         found.append(run_vllm(path, ps, gen_len))
+                        for frac in args.budgets if "streaming" in args.policies else ():
+                            found.append(run_vllm(path, ps, gen_len, "streaming", frac))
                 dense = found[0]
                 for r in found:
                     if r is None:

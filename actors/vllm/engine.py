@@ -38,7 +38,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class VLLMEngine:
     def __init__(self, model_path: str | Path, kv: KVConfig | None = None, batch_size: int = 64,
-                 dtype: str = "float32", kv_cache_bytes: int = 64 << 20,
+                 dtype: str = "float32", kv_cache_bytes: int | None = None,
                  max_model_len: int | None = None, seed: int = 0, threads: int | None = 1,
                  enforce_eager: bool | None = None, weight_transfer: str | None = None,
                  block_size: int | None = None):
@@ -75,9 +75,31 @@ class VLLMEngine:
         kw.update(overrides)
         return cls(model_path or cfg.model_path, **kw)
 
+    def kv_bytes_per_token(self) -> int:
+        """K and V bytes of one token over all layers (from the HF config)."""
+        cfg = self.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        elem = torch.finfo(self.dtype).bits // 8
+        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem
+
+    def _pool_bytes(self, max_model_len: int, block_size: int | None) -> int:
+        """Default KV pool: every one of ``batch_size`` sequences at its longest (``max_model_len``
+        tokens dense, the window + 2 blocks sliding), plus a block each; within [16 MiB, 1 GiB]."""
+        block = block_size or 128
+        tokens = max_model_len if self.window is None else min(max_model_len,
+                                                               self.window + 2 * block)
+        need = self.batch_size * (tokens + block) * self.kv_bytes_per_token()
+        return int(min(max(need, 16 << 20), 1 << 30))
+
     def _start(self, kv_cache_bytes, max_model_len, seed, enforce_eager, block_size):
         from vllm import LLM
         from vllm.platforms import current_platform
+
+        if not max_model_len:
+            max_model_len = min(int(getattr(self.model.config, "max_position_embeddings", 4096)),
+                                4096)
+        if not kv_cache_bytes:
+            kv_cache_bytes = self._pool_bytes(int(max_model_len), block_size)
 
         kwargs = dict(
             model=self.model_path, tokenizer=self.model_path, skip_tokenizer_init=True,
@@ -86,9 +108,8 @@ class VLLMEngine:
             seed=int(seed), max_num_seqs=self.batch_size, kv_cache_memory_bytes=int(kv_cache_bytes),
             logprobs_mode="processed_logprobs", generation_config="vllm",
             enforce_eager=current_platform.is_cpu() if enforce_eager is None else enforce_eager,
-            hf_overrides=kvmod.hf_overrides(self.kv, self.model.config.num_hidden_layers))
-        if max_model_len:
-            kwargs["max_model_len"] = int(max_model_len)
+            hf_overrides=kvmod.hf_overrides(self.kv, self.model.config.num_hidden_layers),
+            max_model_len=int(max_model_len))
         if block_size:
             kwargs["block_size"] = int(block_size)
         if self._transfer:
