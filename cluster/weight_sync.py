@@ -152,6 +152,9 @@ class _Group:
                     problems.append(f"rank {r}: {msg}")
             verdict = _VERDICT_OK if not problems else "; ".join(problems)
             self.store.set(f"{k}/verdict", verdict)
+            # rank 0 hosts the store: leaving (raising) before every receiver has read the verdict
+            # would cut them off with a bare connection error instead of the message
+            self.store.wait([f"{k}/seen/{r}" for r in range(1, self.world_size)])
         else:
             meta = json.loads(self.store.get(f"{k}/meta").decode())
             theirs = meta["spec"]
@@ -162,6 +165,7 @@ class _Group:
                 diff = f"receiver backend {self.backend!r}, sender backend {meta['backend']!r}"
             self.store.set(f"{k}/check/{self.rank}", diff or _VERDICT_OK)
             verdict = self.store.get(f"{k}/verdict").decode()
+            self.store.set(f"{k}/seen/{self.rank}", "1")
             if verdict == _VERDICT_OK:
                 self.spec = [(n, tuple(shape), _dtype(d)) for n, shape, d in theirs]
                 self.bucket_bytes, self.backend = int(meta["bucket_bytes"]), meta["backend"]
