@@ -1,0 +1,60 @@
+"""make_base_model: a very small, very short build into tmp, reloaded with from_pretrained."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from launch import make_base_model as mbm
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _args(out, *extra):
+    return mbm.parse_args(["--out", str(out), "--hidden", "32", "--layers", "1", "--heads", "2",
+                           "--batch-size", "8", "--max-steps", "6", "--eval-every", "3",
+                           "--n-eval", "4", "--min-terms", "2", "--max-terms", "3", "--n-train", "64",
+                           "--n-heldout", "8", *extra])
+
+
+def test_build_reload_and_cache(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "tiny"
+    logs: list[str] = []
+    mbm.build(_args(out, "--target-acc", "1.1"), log=logs.append)
+    assert (out / mbm.MARKER).is_file() and (out / "model.safetensors").is_file()
+    metrics = json.loads((out / mbm.METRICS).read_text())
+    assert metrics["steps"] == 6 and len(metrics["history"]) == 2
+    assert 0.0 <= metrics["heldout_acc_greedy"] <= 1.0 and metrics["task"]["min_terms"] == 2
+    assert any("step" in line for line in logs)
+
+    model = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    assert model.config.model_type == "qwen2" and model.config.num_hidden_layers == 1
+    enc = tok(["sum a1b2\n"], return_tensors="pt")
+    assert model(**enc).logits.shape[-1] == model.config.vocab_size
+    assert tok.decode(enc["input_ids"][0], skip_special_tokens=True) == "sum a1b2\n"
+
+    # A complete directory is reused, not rebuilt.
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    logs.clear()
+    mbm.build(_args(out), log=logs.append)
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp and "exists" in logs[0]
+
+
+def test_deterministic_from_seed(tmp_path):
+    from safetensors.torch import load_file
+
+    for name in ("a", "b"):
+        mbm.build(_args(tmp_path / name, "--max-steps", "3", "--target-acc", "1.1"), log=lambda s: None)
+    wa, wb = (load_file(str(tmp_path / n / "model.safetensors")) for n in ("a", "b"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_stops_at_target(tmp_path):
+    # target 0 is met at the first check: training stops there instead of at max_steps.
+    out = tmp_path / "t"
+    mbm.build(_args(out, "--target-acc", "0"), log=lambda s: None)
+    assert json.loads((out / mbm.METRICS).read_text())["steps"] == 3
