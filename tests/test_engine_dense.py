@@ -115,3 +115,17 @@ def test_load_weights_and_checksum(model, tmp_path):
     assert eng.state_checksum() == NativeEngine(other).state_checksum()
     with pytest.raises(KeyError, match="no parameter"):
         eng.load_weights([("nope.weight", torch.zeros(1))], version=6)
+
+
+def test_bfloat16_model_runs_with_a_bf16_cache(model, tmp_path):
+    from actors.config import KVConfig
+
+    bf = load_model(build_tiny(tmp_path / "bf", model.config.model_type, seed=1),
+                    dtype=torch.bfloat16)
+    eng = NativeEngine(bf, KVConfig(policy="h2o", budget=8, compress_every=4))
+    outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=12, seed=0))
+    assert all(len(o.response_ids) == 12 and all(math.isfinite(x) and x <= 0 for x in o.logprobs)
+               for o in outs)
+    per_token_fp32 = NativeEngine(model, KVConfig(policy="h2o", budget=8, compress_every=4))
+    per_token_fp32.generate(PROMPTS, SamplingParams(max_new_tokens=12, seed=0))
+    assert eng.last_stats["allocated_kv_bytes"] * 2 == per_token_fp32.last_stats["allocated_kv_bytes"]

@@ -14,8 +14,41 @@ policy differs from the dense one only in which keys it sees.)
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 SUPPORTED = ("qwen2", "qwen3", "llama")
+
+
+def fuse_linears(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of linears sharing an input into one tensor and make
+    each parameter a view into it, so one GEMM replaces several and in-place weight updates
+    (``param.copy_``, as ``load_weights`` does) land in the fused tensor. Idempotent."""
+    ws = [m.weight for m in linears]
+    fused = getattr(linears[0], "_fused", None)
+    if fused is not None and all(w.data_ptr() == p for w, p in zip(ws, fused[2])):
+        return fused[0], fused[1]
+    weight = torch.cat([w.data for w in ws])
+    bias = None
+    if linears[0].bias is not None:
+        bias = torch.cat([m.bias.data for m in linears])
+    row = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = weight[row:row + n]
+        if bias is not None:
+            m.bias.data = bias[row:row + n]
+        row += n
+    linears[0]._fused = (weight, bias, [m.weight.data_ptr() for m in linears])
+    return weight, bias
+
+
+def rms_norm(module, x: torch.Tensor) -> torch.Tensor:
+    """HF RMSNorm (weight * normalize(x in float32), cast back) as one fused op."""
+    eps = getattr(module, "variance_epsilon", None)
+    if eps is None:
+        return module(x)
+    y = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    return module.weight * y
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -68,6 +101,12 @@ class Decoder:
         self.scaling = attn.scaling
         self.qk_norm = hasattr(attn, "q_norm")
         self.dtype = next(hf_model.parameters()).dtype
+        self.sizes = (self.n_heads * self.head_dim, self.n_kv * self.head_dim)
+        self.qkv_w, self.gate_up = [], []
+        for layer in self.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            self.qkv_w.append(fuse_linears([a.q_proj, a.k_proj, a.v_proj]))
+            self.gate_up.append(fuse_linears([mlp.gate_proj, mlp.up_proj]))
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor):
         """cos, sin [B,T,D] for absolute positions [B,T]."""
@@ -77,13 +116,15 @@ class Decoder:
         """Layer i input [B,T,H] -> rotated q [B,Hq,T,D], rotated k and v [B,Hkv,T,D]."""
         layer = self.layers[i]
         a = layer.self_attn
-        h = layer.input_layernorm(x)
+        h = rms_norm(layer.input_layernorm, x)
         b, t, _ = h.shape
-        q = a.q_proj(h).view(b, t, -1, self.head_dim)
-        k = a.k_proj(h).view(b, t, -1, self.head_dim)
-        v = a.v_proj(h).view(b, t, -1, self.head_dim).transpose(1, 2)
+        nq, nkv = self.sizes
+        q, k, v = F.linear(h, *self.qkv_w[i]).split((nq, nkv, nkv), dim=-1)
+        q = q.view(b, t, -1, self.head_dim)
+        k = k.view(b, t, -1, self.head_dim)
+        v = v.reshape(b, t, -1, self.head_dim).transpose(1, 2)
         if self.qk_norm:
-            q, k = a.q_norm(q), a.k_norm(k)
+            q, k = rms_norm(a.q_norm, q), rms_norm(a.k_norm, k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
@@ -92,10 +133,13 @@ class Decoder:
         layer = self.layers[i]
         b, _, t, _ = attn_out.shape
         x = x + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, t, -1))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        mlp = layer.mlp
+        gate, up = F.linear(rms_norm(layer.post_attention_layernorm, x),
+                            *self.gate_up[i]).chunk(2, dim=-1)
+        return x + mlp.down_proj(mlp.act_fn(gate) * up)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(x)).float()
+        return self.lm_head(rms_norm(self.norm, x)).float()
 
     @torch.no_grad()
     def forward_full(self, input_ids: torch.Tensor, positions: torch.Tensor, mask_fn) -> torch.Tensor:
