@@ -206,31 +206,31 @@ class Learner:
                        resp, cc)
         keep = corr.loss_mask > 0
         slices, units, total = self._plan_micro_batches(keep)
-        local_units = sum(units)
-        parts = []
-        for i, (sl, unit) in enumerate(zip(slices, units)):
-            self.engine.set_gradient_accumulation_boundary(i == len(slices) - 1)
-            share = unit * self.world_size / total if total > 0 else 0.0
-            loss, m = self._micro_step(tensors, sl, adv, corr, temperature, share)
-            parts.append((unit / local_units if local_units > 0 else 0.0, float(loss), m))
-        metrics = _combine_loss_metrics(parts)
+        # ``total`` is global, so every rank agrees: with nothing kept anywhere there is no
+        # forward/backward and no optimiser step (Adam would still move weights on zero grads)
         stepped = total > 0
-        grad_norm = 0.0
-        if stepped:  # all ranks agree (``total`` is global): nothing kept anywhere -> no update
+        metrics, grad_norm = {"loss": 0.0}, 0.0
+        if stepped:
+            local_units = sum(units)
+            parts = []
+            for i, (sl, unit) in enumerate(zip(slices, units)):
+                self.engine.set_gradient_accumulation_boundary(i == len(slices) - 1)
+                share = unit * self.world_size / total
+                loss, m = self._micro_step(tensors, sl, adv, corr, temperature, share)
+                parts.append((unit / local_units if local_units > 0 else 0.0, float(loss), m))
+            metrics = _combine_loss_metrics(parts)
             own_norm = self._plain_grad_norm()
             self.engine.step()
             grad_norm = self.engine.get_global_grad_norm() or own_norm
-        else:
-            self.engine.zero_grad()
         self.version += 1
-        if self._zero3:
+        if self._zero3 and stepped:
             self._gather_full()
         metrics.update(adv_metrics)
         metrics.update(corr.metrics)
         metrics.update({
             "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
             "lr": float(self.scheduler.get_last_lr()[0]), "version": float(self.version),
-            "learner/stepped": float(stepped), "learner/micro_batches": float(len(slices)),
+            "learner/stepped": float(stepped), "learner/micro_batches": float(len(slices) if stepped else 0),
             "learner/rows": float(resp.shape[0]), "learner/response_tokens": float(resp.sum()),
             "learner/kept_tokens": float(keep.sum()), "time/train_s": time.time() - t0})
         return metrics
@@ -249,12 +249,12 @@ class Learner:
         n_local = max(1, math.ceil(rows / self.cfg.micro_batch_size))
         unit_rows = keep.any(1).float() if per_seq else keep.sum(1).float()
         stats = torch.tensor([float(n_local), float(unit_rows.sum())], dtype=torch.float64)
-        if self.world_size > 1:
-            n = stats[:1].clone()
+        if self.world_size > 1:  # on the engine's device: NCCL reduces CUDA tensors only
+            n = stats[:1].to(self.engine.device)
             dscomm.all_reduce(n, op=dscomm.ReduceOp.MAX)
-            tot = stats[1:].clone()
+            tot = stats[1:].to(self.engine.device)
             dscomm.all_reduce(tot, op=dscomm.ReduceOp.SUM)
-            stats = torch.cat([n, tot])
+            stats = torch.cat([n.cpu(), tot.cpu()])
         n_mb, total = int(stats[0]), float(stats[1])
         bounds = torch.linspace(0, rows, n_mb + 1).round().long().tolist()
         slices, units = [], []
@@ -280,18 +280,21 @@ class Learner:
         """Forward + PPO loss + backward on rows ``sl``, trimmed to their longest sequence."""
         from correction import policy_loss
 
-        attn = tensors["attention_mask"][sl]
-        t = max(2, int(attn.sum(1).max()))
-        ids, attn = tensors["input_ids"][sl, :t], attn[:, :t]
+        dev = self.engine.device
+        t = max(2, int(tensors["attention_mask"][sl].sum(1).max()))
+
+        def cut(x):  # rows of this micro-batch, trimmed to its longest sequence, on the device
+            return x[sl, :t].to(dev)
+
+        ids, attn = cut(tensors["input_ids"]), cut(tensors["attention_mask"])
         if self.correction_cfg.loss.entropy_coef > 0:
             new_logp, entropy = logprobs_and_entropy(self.engine, ids, attn, temperature)
         else:  # the shared helper: the same numbers the scorer computes, no [B,T,V] entropy
             new_logp, entropy = token_logprobs(self.engine, ids, attn, temperature), None
         ref = tensors.get("ref_logprobs")
-        loss, m = policy_loss(new_logp, tensors["old_logprobs"][sl, :t].float(), adv[sl],
-                              corr.weights[sl, :t], corr.loss_mask[sl, :t], self.correction_cfg,
-                              ref_logp=None if ref is None else ref[sl, :t].float(),
-                              entropy=entropy)
+        loss, m = policy_loss(new_logp, cut(tensors["old_logprobs"]).float(), adv[sl].to(dev),
+                              cut(corr.weights), cut(corr.loss_mask), self.correction_cfg,
+                              ref_logp=None if ref is None else cut(ref).float(), entropy=entropy)
         # scale_wrt_gas=False: the share already normalises over every micro-batch of every rank
         self.engine.backward(loss * share, scale_wrt_gas=False)
         return loss.detach(), m
