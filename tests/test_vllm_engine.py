@@ -116,6 +116,8 @@ def test_bad_weights_rejected_before_reload(dense):
         dense.load_weights([(name, torch.zeros(*shape[:-1], shape[-1] + 1))], version=5)
     with pytest.raises(ValueError, match="non-finite"):
         dense.load_weights([(name, torch.full(shape, float("nan")))], version=5)
+    with pytest.raises(ValueError, match="whole models only"):       # partial reloads corrupt
+        dense.load_weights([(name, torch.zeros(shape))], version=5)
     assert dense.version != 5
     assert len(dense.generate(PROMPTS[:1], greedy(4))[0].response_ids) == 4   # still alive
 
