@@ -1,6 +1,6 @@
 """Rollout engine benchmark: tokens/s and peak KV bytes, dense vs each KV policy, with peers.
 
-    python bench/rollout.py --quick                 # ~2 min on a quiet 2-core CPU
+    python bench/rollout.py --quick                 # tiny model, 256 and 1024 tokens, 25% budget
     python bench/rollout.py --json runs/bench_rollout.json
     python bench/rollout.py --models tiny,mid --lengths 512,2048,8192 --batch 16
 
@@ -9,7 +9,7 @@ length (``compress_every`` = 128, the paper's N), and the peers in the same run:
 with a static cache (and with its default dynamic cache), and vLLM dense and sliding-window (its ``streaming``) where vLLM is installed.
 Every row generates exactly ``gen_len`` tokens per sequence (no stop tokens) from ``batch`` random
 prompts of ``prompt_len`` tokens, temperature 1. ``tok_per_s`` = generated tokens / wall time of
-the call (prefill included). ``peak_kv_bytes``: native = the preallocated K/V tensors of the batch
+the call (prefill included), best of ``--repeat`` round-robin rounds. ``peak_kv_bytes``: native = the preallocated K/V tensors of the batch
 (what is actually held: ``batch * cap * bytes/token`` with cap = budget + N for sparse policies);
 HF static = its static cache (``batch * (prompt_len + gen_len)`` tokens); HF dynamic = the final
 cache size; vLLM = its measured KV blocks. Ratios ``speed_vs_dense`` and ``kv_vs_dense`` are
@@ -133,6 +133,18 @@ def run_vllm(path: Path, ps, gen_len: int, policy: str = "dense",
             "peak_kv_bytes": eng.last_stats.get("peak_kv_bytes", 0), "seconds": dt}
 
 
+def best_of(jobs, repeat: int) -> list[dict | None]:
+    """Run the jobs round-robin ``repeat`` times; keep each job's fastest run (the machine is
+    shared: bursts of load from other processes hit single runs, not every round)."""
+    best: list[dict | None] = [None] * len(jobs)
+    for _ in range(max(1, repeat)):
+        for j, job in enumerate(jobs):
+            r = job()
+            if r is not None and (best[j] is None or r["tok_per_s"] > best[j]["tok_per_s"]):
+                best[j] = r
+    return best
+
+
 def bench(args) -> list[dict]:
     torch.set_num_threads(args.threads)
     rows: list[dict] = []
@@ -145,17 +157,19 @@ def bench(args) -> list[dict]:
                 batch = args.batch if gen_len <= 2048 else max(1, args.batch // 4)
                 ps = prompts(batch, args.prompt_len, vocab)
                 base = {"model": name, "gen_len": gen_len, "batch": batch}
-                found = [run_native(model, ps, gen_len, "dense", None, args.every)]
+                jobs = [lambda: run_native(model, ps, gen_len, "dense", None, args.every)]
                 for frac in args.budgets:
                     for policy in args.policies:
-                        found.append(run_native(model, ps, gen_len, policy, frac, args.every))
+                        jobs.append(lambda f=frac, p=policy: run_native(model, ps, gen_len, p, f,
+                                                                         args.every))
                 if gen_len <= args.peer_max_len:
                     for cache in args.hf:
-                        found.append(run_hf(model, ps, gen_len, cache))
+                        jobs.append(lambda c=cache: run_hf(model, ps, gen_len, c))
                     if args.vllm:
-                        found.append(run_vllm(path, ps, gen_len))
+                        jobs.append(lambda: run_vllm(path, ps, gen_len))
                         for frac in args.budgets if "streaming" in args.policies else ():
-                            found.append(run_vllm(path, ps, gen_len, "streaming", frac))
+                            jobs.append(lambda f=frac: run_vllm(path, ps, gen_len, "streaming", f))
+                found = best_of(jobs, args.repeat)
                 dense = found[0]
                 for r in found:
                     if r is None:
@@ -197,10 +211,11 @@ def parse(argv=None):
     ap.add_argument("--peer-max-len", type=int, default=2048, help="longest gen_len for peers")
     ap.add_argument("--no-vllm", dest="vllm", action="store_false")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=2, help="rounds; each row keeps its best")
     args = ap.parse_args(argv)
     if args.quick:
-        args.models, args.lengths, args.budgets = "tiny", "512,2048", "0.25"
-        args.batch, args.peer_max_len = 4, 512
+        args.models, args.lengths, args.budgets = "tiny", "256,1024", "0.25"
+        args.batch, args.peer_max_len, args.repeat = 8, 256, 2
     args.models = [m for m in args.models.split(",") if m]
     args.lengths = [int(x) for x in args.lengths.split(",") if x]
     args.budgets = [float(x) for x in args.budgets.split(",") if x]

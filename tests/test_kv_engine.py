@@ -71,3 +71,22 @@ def test_peak_kv_bytes_bounded_by_budget_plus_n(model, policy):
     dense = NativeEngine(model)
     dense.generate(PROMPTS, SamplingParams(max_new_tokens=40, temperature=1.0, seed=2))
     assert dense.last_stats["peak_kv_bytes"] > eng.last_stats["peak_kv_bytes"]
+
+
+def test_continuous_batching_keeps_logprobs_exact(model):
+    """batch_size 2 with 5 ragged prompts and an early stop token: rows leave, new prompts are
+    prefilled and join; every sequence still matches its teacher-forced sparse recomputation and
+    its greedy tokens equal a one-by-one run."""
+    prompts = PROMPTS + [[30, 31, 32, 33, 34, 35], [40] * 15]
+    cfg = kv("h2o", budget=8, every=3)
+    greedy = SamplingParams(max_new_tokens=14, temperature=0)
+    solo = [NativeEngine(model, cfg).generate([p], greedy)[0] for p in prompts]
+    stop = solo[1].response_ids[4]
+    params = SamplingParams(max_new_tokens=14, temperature=0, stop_token_ids=(stop,))
+    outs = NativeEngine(model, cfg, batch_size=2, trace=True).generate(prompts, params)
+    for p, o, s in zip(prompts, outs, solo):
+        cut = s.response_ids.index(stop) + 1 if stop in s.response_ids else len(s.response_ids)
+        assert o.response_ids == s.response_ids[:cut]
+        assert o.finish_reason == ("stop" if cut < 14 or s.response_ids[-1] == stop else "length")
+        rec = recompute_logprobs(model, p, o.response_ids, o.trace, temperature=0)
+        assert torch.allclose(rec, torch.tensor(o.logprobs), atol=1e-5)

@@ -68,75 +68,95 @@ class NativeEngine:
     # ---- generation ------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+        """Continuous batching: up to ``batch_size`` sequences decode together; when half of them
+        have finished, waiting prompts are prefilled and join the batch."""
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("native engine: empty prompt (every prompt needs at least one token)")
+        t0 = time.perf_counter()
+        dev = self.device
         gen = None
         if params.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(int(params.seed))
-        outs: list[GenerationOutput] = []
-        stats = {"allocated_kv_bytes": 0, "peak_kv_bytes": 0, "tokens": 0, "time_s": 0.0}
-        for start in range(0, len(prompts), self.batch_size):
-            t0 = time.perf_counter()
-            batch_outs, allocated = self._generate_batch(prompts[start:start + self.batch_size],
-                                                         params, gen)
-            stats["time_s"] += time.perf_counter() - t0
-            stats["allocated_kv_bytes"] = max(stats["allocated_kv_bytes"], allocated)
-            stats["peak_kv_bytes"] = max(stats["peak_kv_bytes"],
-                                         sum(o.peak_kv_bytes for o in batch_outs))
-            stats["tokens"] += sum(len(o.response_ids) for o in batch_outs)
-            outs.extend(batch_outs)
-        self.last_stats = stats
+            gen = torch.Generator(device=dev).manual_seed(int(params.seed))
+        st = _BatchState(prompts, params.max_new_tokens, dev, self.trace)
+        if not prompts or params.max_new_tokens <= 0:
+            return st.outputs(0)
+        cap = self._capacity(max(len(p) for p in prompts), params.max_new_tokens)
+        stop = torch.tensor(sorted(set(int(t) for t in params.stop_token_ids)), dtype=torch.long,
+                            device=dev)
+        queue = list(range(len(prompts)))
+        store, logits, seen, allocated = None, None, None, 0
+        while True:
+            live = 0 if store is None else len(st.ids)
+            if queue and live <= self.batch_size // 2:
+                take, queue = queue[:self.batch_size - live], queue[self.batch_size - live:]
+                new, new_logits, lens = self._admit(prompts, take, cap, st)
+                if store is None:
+                    store, logits, seen = new, new_logits, lens
+                else:
+                    store.extend(new)
+                    logits, seen = torch.cat([logits, new_logits]), torch.cat([seen, lens])
+                allocated = max(allocated, store.allocated_bytes())
+            if store is None:
+                break
+            tok, lp = sample(logits, params.temperature, params.top_k, params.top_p,
+                             params.logprob_mode, gen)
+            alive = st.record(tok, lp, stop)
+            if not bool(alive.all()):
+                rows = alive.nonzero().squeeze(-1)
+                st.keep_rows(rows)
+                if rows.numel() == 0:
+                    store = None
+                    continue
+                store.keep_rows(rows)
+                tok, seen = tok[rows.to(dev)], seen[rows]
+            full = (store.n >= store.cap).nonzero().squeeze(-1)
+            if full.numel():
+                self._compress(store, full, seen, st)
+            logits = self._decode_step(tok, seen, store)
+            st.account(st.ids, store.n, seen + 1)
+            seen = seen + 1
+        outs = st.outputs(self.bytes_per_token)
+        self.last_stats = {"allocated_kv_bytes": allocated, "peak_kv_bytes": st.peak_total,
+                           "tokens": sum(len(o.response_ids) for o in outs),
+                           "time_s": time.perf_counter() - t0}
         return outs
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V bytes of one token in every layer."""
+        d = self.dec
+        return 2 * d.n_layers * d.n_kv * d.head_dim * torch.finfo(d.dtype).bits // 8
 
     def _capacity(self, lmax: int, max_new: int) -> int:
         if self.policy == KVPolicy.dense:
             return lmax + max_new
         return min(self.kv.budget + self.kv.compress_every, lmax + max_new)
 
-    def _generate_batch(self, prompts, params: SamplingParams, gen):
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("native engine: empty prompt (every prompt needs at least one token)")
-        dev, b = self.device, len(prompts)
-        lens = torch.tensor([len(p) for p in prompts])             # host bookkeeping: lens, n, seen
-        cap = self._capacity(int(lens.max()), params.max_new_tokens)
-        store = KVStore(self.dec.n_layers, b, self.dec.n_kv, self.dec.n_heads, self.dec.head_dim,
-                        cap, self.dec.dtype, need_acc=self.policy == KVPolicy.h2o,
+    def _admit(self, prompts, take: list[int], cap: int, st):
+        """Prefill prompts[take] into a new store; returns (store, next-token logits, lens)."""
+        dec = self.dec
+        store = KVStore(dec.n_layers, len(take), dec.n_kv, dec.n_heads, dec.head_dim, cap,
+                        dec.dtype, need_acc=self.policy == KVPolicy.h2o,
                         obs_window=self.kv.obs_window if self.policy in (KVPolicy.snapkv,
                                                                          KVPolicy.rkv) else 0,
-                        device=dev)
-        st = _BatchState(prompts, params.max_new_tokens, dev, self.trace)
-        logits = self._prefill(prompts, lens, store, st)
-        seen = lens.clone()
-        stop = torch.tensor(sorted(set(int(t) for t in params.stop_token_ids)), dtype=torch.long,
-                            device=dev)
-        for step in range(params.max_new_tokens):
-            tok, lp = sample(logits, params.temperature, params.top_k, params.top_p,
-                             params.logprob_mode, gen)
-            alive = st.record(step, tok, lp, stop)
-            if step + 1 == params.max_new_tokens or not bool(alive.any()):
-                break
-            if not bool(alive.all()):
-                rows = alive.nonzero().squeeze(-1).cpu()
-                store.keep_rows(rows)
-                st.keep_rows(rows)
-                tok, seen = tok[rows.to(dev)], seen[rows]
-            full = (store.n >= store.cap).nonzero().squeeze(-1)
-            if full.numel():
-                self._compress(store, full, seen, st)
-            logits = self._decode_step(tok, seen, store)
-            st.account(store.n, seen + 1)
-            seen = seen + 1
-        return st.outputs(store.bytes_per_token), store.allocated_bytes()
+                        device=self.device)
+        ids = torch.tensor(take, dtype=torch.long)
+        st.admit(ids)
+        batch = [prompts[i] for i in take]
+        lens = torch.tensor([len(p) for p in batch])
+        return store, self._prefill(batch, lens, store, st, ids), lens.clone()
 
-    def _prefill(self, prompts, lens: torch.Tensor, store: KVStore, st) -> torch.Tensor:
+    def _prefill(self, prompts, lens: torch.Tensor, store: KVStore, st, ids) -> torch.Tensor:
         dec, b, lmax, dev = self.dec, len(prompts), int(lens.max()), self.device
-        ids = torch.zeros(b, lmax, dtype=torch.long)
+        tokens = torch.zeros(b, lmax, dtype=torch.long)
         for r, p in enumerate(prompts):
-            ids[r, :len(p)] = torch.tensor(p)
-        ids, lens_d = ids.to(dev), lens.to(dev)
+            tokens[r, :len(p)] = torch.tensor(p)
+        tokens, lens_d = tokens.to(dev), lens.to(dev)
         positions = torch.arange(lmax, device=dev).expand(b, lmax)
         valid = positions < lens_d[:, None]
         mask = torch.ones(lmax, lmax, dtype=torch.bool, device=dev).tril()[None] & valid[:, None]
         mask = mask[:, None, None]                                  # [B,1,1,T,S]
-        x = dec.embed(ids)
+        x = dec.embed(tokens)
         cos, sin = dec.rope(x, positions)
         rows = (lens > self.kv.budget).nonzero().squeeze(-1)
         if self.policy == KVPolicy.dense:
@@ -166,8 +186,8 @@ class NativeEngine:
         store.n = lens.clone()
         if rows.numel():
             store.n[rows] = self.kv.budget
-            st.compressed(rows, lens[rows] - 1, torch.stack(kept, dim=1))
-        st.account(store.n, lens, first=True)
+            st.compressed(ids[rows], lens[rows] - 1, torch.stack(kept, dim=1))
+        st.account(ids, store.n, lens, first=True)
         return dec.logits(x[torch.arange(b, device=dev), lens_d - 1])
 
     def _decode_step(self, tok: torch.Tensor, seen: torch.Tensor, store: KVStore) -> torch.Tensor:
@@ -205,52 +225,63 @@ class NativeEngine:
         """Compress the given rows of every layer to ``budget`` slots (decode time)."""
         kept = [self._compress_layer(store, i, rows, seen[rows]) for i in range(self.dec.n_layers)]
         store.n[rows] = self.kv.budget
-        st.compressed(rows, seen[rows] - 1, torch.stack(kept, dim=1))
+        st.compressed(st.ids[rows], seen[rows] - 1, torch.stack(kept, dim=1))
 
 
 class _BatchState:
-    """Per-row bookkeeping: tokens and log-probs on the device (read back once at the end); kept
-    ratio and peak KV on the host (they follow from the host-side slot counts)."""
+    """Per-sequence bookkeeping of one ``generate`` call (indexed by prompt index): tokens and
+    log-probs on the device (read back once at the end); counts, kept ratio and peak KV on the host
+    (they follow from host-side slot counts). ``ids`` lists the prompt index of each live row."""
 
     def __init__(self, prompts, max_new: int, device, trace: bool):
-        self.prompts = prompts
+        self.prompts, self.max_new, self.device = prompts, max_new, device
         b = len(prompts)
-        self.ids = torch.arange(b)                       # original index of each live row (host)
+        self.ids = torch.zeros(0, dtype=torch.long)
         self.ids_d = self.ids.to(device)
-        self.tokens = torch.zeros(b, max_new, dtype=torch.long, device=device)
-        self.logps = torch.zeros(b, max_new, dtype=torch.float32, device=device)
+        self.tokens = torch.zeros(b, max(1, max_new), dtype=torch.long, device=device)
+        self.logps = torch.zeros(b, max(1, max_new), dtype=torch.float32, device=device)
         self.count = torch.zeros(b, dtype=torch.long)
         self.stopped = torch.zeros(b, dtype=torch.bool, device=device)
         self.kept_sum = torch.zeros(b, dtype=torch.float64)
         self.peak = torch.zeros(b, dtype=torch.long)
+        self.peak_total = 0
         self.trace = [[] for _ in range(b)] if trace else None
 
-    def record(self, step: int, tok, lp, stop: torch.Tensor) -> torch.Tensor:
-        """Store the tokens of step ``step`` for the live rows; returns which rows go on."""
-        self.tokens[self.ids_d, step] = tok
-        self.logps[self.ids_d, step] = lp.float()
-        self.count[self.ids] = step + 1
+    def admit(self, ids: torch.Tensor) -> None:
+        self.ids = torch.cat([self.ids, ids])
+        self.ids_d = self.ids.to(self.device)
+
+    def record(self, tok, lp, stop: torch.Tensor) -> torch.Tensor:
+        """Store one token per live row; returns (host bool) which rows go on."""
+        c = self.count[self.ids]
+        c_d = c.to(self.device)
+        self.tokens[self.ids_d, c_d] = tok
+        self.logps[self.ids_d, c_d] = lp.float()
+        self.count[self.ids] = c + 1
         is_stop = torch.isin(tok, stop)
         self.stopped[self.ids_d] = is_stop
-        return ~is_stop
+        return ~is_stop.cpu() & (c + 1 < self.max_new)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         self.ids = self.ids[rows]
-        self.ids_d = self.ids.to(self.ids_d.device)
+        self.ids_d = self.ids.to(self.device)
 
-    def account(self, n: torch.Tensor, attended_dense: torch.Tensor, first: bool = False) -> None:
-        """After a forward: live row r attended n[r] keys where dense would attend
+    def account(self, ids, n: torch.Tensor, attended_dense: torch.Tensor,
+                first: bool = False) -> None:
+        """After a forward: row r (prompt ids[r]) attended n[r] keys where dense would attend
         attended_dense[r] (the prefill, which attends the whole prompt, counts as 1)."""
-        ratio = torch.ones(len(self.ids), dtype=torch.float64) if first else \
+        ratio = torch.ones(len(ids), dtype=torch.float64) if first else \
             n.double() / attended_dense.double()
-        self.kept_sum[self.ids] += ratio
-        self.peak[self.ids] = torch.maximum(self.peak[self.ids], n)
+        self.kept_sum[ids] += ratio
+        self.peak[ids] = torch.maximum(self.peak[ids], n)
+        if not first:
+            self.peak_total = max(self.peak_total, int(n.sum()))
 
-    def compressed(self, rows, after_pos, kept_pos) -> None:
+    def compressed(self, ids, after_pos, kept_pos) -> None:
         if self.trace is not None:
             kept_pos = kept_pos.cpu()
-            for j, r in enumerate(rows.tolist()):
-                self.trace[int(self.ids[r])].append((int(after_pos[j]), kept_pos[j]))
+            for j, o in enumerate(ids.tolist()):
+                self.trace[o].append((int(after_pos[j]), kept_pos[j]))
 
     def outputs(self, bytes_per_token: int) -> list[GenerationOutput]:
         tokens, logps = self.tokens.cpu().tolist(), self.logps.cpu().tolist()

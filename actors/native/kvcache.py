@@ -42,6 +42,13 @@ class KVStore:
         self.acc, self.qwin = sel(self.acc), sel(self.qwin)
         self.n = self.n.index_select(0, rows)
 
+    def extend(self, other: "KVStore") -> None:
+        """Append other's rows (same capacity and layout) after this store's rows."""
+        cat = lambda a, b: None if a is None else [torch.cat([x, y]) for x, y in zip(a, b)]  # noqa
+        self.k, self.v, self.pos = cat(self.k, other.k), cat(self.v, other.v), cat(self.pos, other.pos)
+        self.acc, self.qwin = cat(self.acc, other.acc), cat(self.qwin, other.qwin)
+        self.n = torch.cat([self.n, other.n])
+
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
               acc: torch.Tensor | None = None) -> None:
         """Write slots [0, S) of layer i for every row (prefill). k, v [B,Hkv,S,D]; pos [B,Hkv,S]."""
