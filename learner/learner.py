@@ -349,6 +349,26 @@ class Learner:
                 shutil.copy2(src, out / name)
         return str(out)
 
+    # ---- checkpoints (all ranks) ----------------------------------------------------------
+
+    def save_checkpoint(self, path: str) -> str:
+        """DeepSpeed checkpoint (module, optimiser, LR scheduler, ZeRO partitions) plus the policy
+        version, under ``path/v{version}``. A collective: every learner rank must call it."""
+        tag = f"v{self.version}"
+        self.engine.save_checkpoint(str(path), tag=tag, client_state={"version": self.version})
+        return str(Path(path) / tag)
+
+    def load_checkpoint(self, path: str, tag: str | None = None) -> int:
+        """Restore what ``save_checkpoint`` wrote (``tag`` None: the latest) on every rank;
+        returns the restored version. Training then continues exactly where it stopped."""
+        load_path, client = self.engine.load_checkpoint(str(path), tag=tag)
+        if load_path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint under {path} (tag {tag!r})")
+        self.version = int(client["version"])
+        if self._zero3:
+            self._gather_full()
+        return self.version
+
     # ---- weight broadcast (rank 0) --------------------------------------------------------
 
     def init_weight_sync(self, host: str, port: int, world_size: int, backend: str = "gloo",
