@@ -171,8 +171,9 @@ class Learner:
             _disable_shm_comm()
         torch.manual_seed(cfg.seed)
         t0 = time.time()
+        # left in eval mode (as loaded): dropout off, so at the start of a step the new log-probs
+        # equal the scorer's dense old log-probs (PPO ratio 1); gradients flow in eval mode too
         model = load_model(model_path, dtype=torch.float32)
-        model.train()
         opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr,
                                 betas=tuple(cfg.betas), eps=cfg.eps)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
