@@ -198,6 +198,7 @@ class WeightSender(_Group):
     def __init__(self, host: str, port: int, world_size: int, spec: list[SpecEntry],
                  backend: str = "gloo", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  timeout_s: float = 300.0, key: str = "weights"):
+        self._flats: list[torch.Tensor] | None = None
         super().__init__(host, port, 0, world_size, spec, backend, bucket_bytes, timeout_s, key)
 
     @torch.no_grad()
@@ -211,21 +212,25 @@ class WeightSender(_Group):
         if missing:
             raise KeyError(f"weight sync send: tensors missing for {missing[:5]} "
                            f"({len(missing)} of {len(self.spec)})")
+        for name, shape, _ in self.spec:  # before the header: receivers must never wait on a send
+            if tuple(by_name[name].shape) != shape:  # that failed half-way
+                raise ValueError(f"weight sync send: {name} has shape "
+                                 f"{tuple(by_name[name].shape)}, spec says {shape}")
+        if self._flats is None:  # kept between sends: fresh 100 MB buffers cost page faults each time
+            self._flats = [torch.empty(b.numel, dtype=b.dtype, device=self.device)
+                           for b in self.buckets]
         self.broadcast(torch.tensor([int(version), len(self.buckets)], dtype=torch.int64,
                                     device=self.device))
-        total = 0
-        for b in self.buckets:
-            flat = torch.empty(b.numel, dtype=b.dtype, device=self.device)
+        works = []
+        for b, flat in zip(self.buckets, self._flats):
             for idx, off, numel in b.entries:
-                name, shape, _ = self.spec[idx]
-                t = by_name[name]
-                if tuple(t.shape) != shape:
-                    raise ValueError(f"weight sync send: {name} has shape {tuple(t.shape)}, "
-                                     f"spec says {shape}")
-                flat[off:off + numel].copy_(t.reshape(-1))
-            self.broadcast(flat)
-            total += flat.numel() * flat.element_size()
-        return {"bytes": total, "buckets": len(self.buckets)}
+                flat[off:off + numel].copy_(by_name[self.spec[idx][0]].reshape(-1))
+            # asynchronous: bucket i goes out while bucket i+1 is being packed
+            works.append(self.pg.broadcast(flat, 0))
+        for w in works:
+            w.wait()
+        return {"bytes": sum(f.numel() * f.element_size() for f in self._flats),
+                "buckets": len(self.buckets)}
 
 
 class WeightReceiver(_Group):
@@ -254,10 +259,11 @@ class WeightReceiver(_Group):
         if num_buckets != len(self.buckets):  # cannot happen after the spec check; guards misuse
             raise RuntimeError(f"weight sync: sender sent {num_buckets} buckets, receiver planned "
                                f"{len(self.buckets)}")
+        flats = [torch.empty(b.numel, dtype=b.dtype, device=self.device) for b in self.buckets]
+        for w in [self.pg.broadcast(flat, 0) for flat in flats]:  # all in flight, then wait
+            w.wait()
         out: list[tuple[str, torch.Tensor]] = []
-        for b in self.buckets:
-            flat = torch.empty(b.numel, dtype=b.dtype, device=self.device)
-            self.broadcast(flat)
+        for b, flat in zip(self.buckets, flats):
             for idx, off, numel in b.entries:
                 name, shape, _ = self.spec[idx]
                 out.append((name, flat[off:off + numel].view(shape)))
