@@ -91,9 +91,12 @@ def main(argv: list[str]) -> dict:
 
         # 6f. Metrics: reward, mismatch and correction statistics, timings.
         rewards = batch.column("reward").to_numpy()
+        lengths_ok = all(pc.all(pc.equal(pc.list_value_length(batch.column(c)), batch.column(
+            "response_len"))).as_py() for c in ("sampler_logprobs", "old_logprobs"))
         record = {"step": step, "version": version, "reward": float(rewards.mean()),
                   "response_len": float(pc.mean(batch.column("response_len")).as_py()),
                   "kept_ratio": float(pc.mean(batch.column("kept_ratio")).as_py()),
+                  "batch/logprob_lengths_match": lengths_ok,
                   "time/rollout_s": t_roll, "time/step_s": time.time() - t0, **sync,
                   **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
         if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < cfg.run.steps:
@@ -117,4 +120,10 @@ def main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from common.errors import ConfigError, DataError
+
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, DataError) as err:  # bad input: one clear line, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
