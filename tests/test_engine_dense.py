@@ -129,3 +129,20 @@ def test_bfloat16_model_runs_with_a_bf16_cache(model, tmp_path):
     per_token_fp32 = NativeEngine(model, KVConfig(policy="h2o", budget=8, compress_every=4))
     per_token_fp32.generate(PROMPTS, SamplingParams(max_new_tokens=12, seed=0))
     assert eng.last_stats["allocated_kv_bytes"] * 2 == per_token_fp32.last_stats["allocated_kv_bytes"]
+
+
+def test_replaced_parameters_are_picked_up(model, tmp_path):
+    """Fused QKV/gate-up weights are rebuilt when parameters are replaced, not updated in place."""
+    arch = model.config.model_type
+    mine = load_model(build_tiny(tmp_path / "a", arch, seed=1))
+    other = load_model(build_tiny(tmp_path / "b", arch, seed=2))
+    eng = NativeEngine(mine)
+    greedy = SamplingParams(max_new_tokens=8, temperature=0)
+    eng.generate(PROMPTS, greedy)
+    state = {k: v.clone() for k, v in other.state_dict().items()}
+    mine.load_state_dict(state, assign=True)
+    want = NativeEngine(other).generate(PROMPTS, greedy)
+    got = eng.generate(PROMPTS, greedy)
+    for g, w in zip(got, want):
+        assert g.response_ids == w.response_ids
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-6)

@@ -12,8 +12,18 @@ One call to ``generate`` runs the prompts in batches of ``batch_size``. Per batc
    compression happens every ``compress_every`` decode steps and no row stores more than
    ``budget + compress_every`` tokens per layer. Rows that emit a stop token or reach
    ``max_new_tokens`` leave the batch at once (the cache rows are dropped).
+3. Continuous batching: at most ``batch_size`` rows decode together; once half of them have left,
+   waiting prompts are prefilled (step 1) and their rows are appended to the running batch.
 
-Log-probs are those of the distribution each token was sampled from (``sampling.py``).
+Log-probs are those of the distribution each token was sampled from (``sampling.py``). Memory: the
+preallocated cache holds ``rows * cap`` tokens, cap = ``budget + compress_every`` (sparse) or
+``longest prompt + max_new_tokens`` (dense); ``GenerationOutput.peak_kv_bytes`` is the most tokens a
+sequence had stored (all layers, K and V); ``last_stats`` has the batch's ``allocated_kv_bytes``
+(max over the call) and ``peak_kv_bytes`` (most tokens stored at once by all live rows). Transient
+extras not counted there: one layer's full prompt KV while a long prompt is compressed at prefill,
+and both the old and new row sets for the moment of a refill's concatenation.
+Sampling: one ``torch.Generator`` seeded from ``SamplingParams.seed`` per call, so the same prompts,
+seed and ``batch_size`` give the same samples.
 """
 from __future__ import annotations
 
@@ -73,7 +83,8 @@ class NativeEngine:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("native engine: empty prompt (every prompt needs at least one token)")
         t0 = time.perf_counter()
-        dev = self.device
+        self.dec.refresh()
+        dev = self.device = next(self.model.parameters()).device
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=dev).manual_seed(int(params.seed))

@@ -102,6 +102,12 @@ class Decoder:
         self.qk_norm = hasattr(attn, "q_norm")
         self.dtype = next(hf_model.parameters()).dtype
         self.sizes = (self.n_heads * self.head_dim, self.n_kv * self.head_dim)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """(Re)build the fused QKV and gate/up weights. Cheap when nothing changed; needed after
+        parameters were replaced rather than updated in place (``model.to(...)``,
+        ``load_state_dict(..., assign=True)``). The engine calls it before every generation."""
         self.qkv_w, self.gate_up = [], []
         for layer in self.layers:
             a, mlp = layer.self_attn, layer.mlp

@@ -18,6 +18,7 @@ query attention the query heads of a group are combined as noted per policy.
   averaged over the query heads of the group, smoothed with a 1-D average pool of ``pool_kernel``
   (as in the reference code) and the top ``budget - obs_window`` keys are kept with the window.
   SnapKV defines prompt compression; we apply the same rule at every decode-time compression.
+  (SnapKV's paper uses a 32-token window; ``obs_window`` defaults to R-KV's 8 and is shared.)
 - R-KV (Cai et al., 2025, "Redundancy-aware KV Cache Compression for Reasoning Models"): importance
   = attention of the last ``obs_window`` queries (logits max-pooled over the query heads of the group,
   softmax over the keys outside the window, mean over the window, 1-D max pool); redundancy = per
