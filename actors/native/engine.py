@@ -55,10 +55,14 @@ class NativeEngine:
 
     @classmethod
     def from_config(cls, cfg, model_path: str) -> "NativeEngine":
+        """Load the model (on the GPU when the process has one, else the CPU) for ``cfg``."""
         from common.modeling import load_model
 
         dtype = getattr(torch, getattr(cfg.dtype, "value", cfg.dtype))
-        return cls(load_model(model_path, dtype=dtype), cfg.kv, cfg.batch_size)
+        model = load_model(model_path, dtype=dtype)
+        if torch.cuda.is_available():
+            model = model.to("cuda")
+        return cls(model, cfg.kv, cfg.batch_size)
 
     # ---- weights -------------------------------------------------------------------------------
     @torch.no_grad()

@@ -138,7 +138,10 @@ def redundancy(keys: torch.Tensor, n: torch.Tensor, chunk: int = 8) -> torch.Ten
     sim = torch.matmul(k, k.transpose(-1, -2))                               # [R,Hkv,S(i),S(j)]
     sim.diagonal(dim1=-2, dim2=-1).zero_()
     # for every key i, its most recent similar key j is not counted as redundant because of i
-    latest = ((sim > RKV_SIM_THRESHOLD) * (ar + 1).float()).amax(dim=-1, keepdim=True).long() - 1
+    idx_t = torch.int16 if s < 2 ** 15 else torch.int32          # narrow: this is an [S,S] pass
+    latest = torch.where(sim > RKV_SIM_THRESHOLD, ar.to(idx_t),
+                         torch.tensor(-1, dtype=idx_t, device=keys.device))
+    latest = latest.amax(dim=-1, keepdim=True).long()
     has = latest >= 0
     sim.scatter_(-1, latest.clamp(min=0), sim.gather(-1, latest.clamp(min=0)) * ~has)
     mean_sim = sim.sum(dim=-2) / n[:, None, None].float()
