@@ -108,6 +108,13 @@ def test_reload_changes_output_and_restores_exactly(dense, model_dir):
         assert a.response_ids == b.response_ids and a.logprobs == b.logprobs
 
 
+def test_too_long_prompt_fails_cleanly(dense):
+    with pytest.raises(Exception, match="maximum context length"):   # vLLM's validation error
+        dense.generate([[1, 40], [1] * 5000], greedy(4))
+    assert not dense.llm.llm_engine.has_unfinished_requests()
+    assert len(dense.generate(PROMPTS[:1], greedy(4))[0].response_ids) == 4
+
+
 def test_bad_weights_rejected_before_reload(dense):
     name, shape = next((n, s) for n, (s, _) in dense._spec.items())
     with pytest.raises(ValueError, match="no parameter"):

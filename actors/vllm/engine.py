@@ -145,17 +145,23 @@ class VLLMEngine:
         internal: list[str] = []
         self.meter.reset()
         t0 = time.perf_counter()
-        for i, p in enumerate(prompts):
-            ext = f"c{call}-r{i}"
-            rid = engine.add_request(ext, {"prompt_token_ids": [int(t) for t in p]},
-                                     self._sampling(params, i))
-            index[ext] = index[rid] = i
-            internal.append(rid)
         finished: dict[int, object] = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    finished[index[out.request_id]] = out
+        try:
+            for i, p in enumerate(prompts):
+                ext = f"c{call}-r{i}"
+                rid = engine.add_request(ext, {"prompt_token_ids": [int(t) for t in p]},
+                                         self._sampling(params, i))
+                index[ext] = index[rid] = i
+                internal.append(rid)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[index[out.request_id]] = out
+        except BaseException:
+            # leave no request behind for the next call (e.g. a prompt longer than max_model_len)
+            if internal:
+                engine.abort_request(internal, internal=True)
+            raise
         elapsed = time.perf_counter() - t0
         outs = [self._output(prompts[i], finished[i], internal[i]) for i in range(len(prompts))]
         self.last_stats = {"allocated_kv_bytes": self.meter.pool_bytes(),
