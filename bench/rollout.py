@@ -139,7 +139,13 @@ def best_of(jobs, repeat: int) -> list[dict | None]:
     best: list[dict | None] = [None] * len(jobs)
     for _ in range(max(1, repeat)):
         for j, job in enumerate(jobs):
-            r = job()
+            try:
+                r = job()
+            except Exception as e:     # an optional peer (vLLM) that cannot start: skip its row
+                if j == 0:
+                    raise
+                print(f"# row {j} skipped: {type(e).__name__}: {str(e)[:160]}", file=sys.stderr)
+                r = None
             if r is not None and (best[j] is None or r["tok_per_s"] > best[j]["tok_per_s"]):
                 best[j] = r
     return best
