@@ -122,6 +122,11 @@ class RolloutConfig:
         check_range(f"{prefix}.batch_size", self.batch_size, lo=1)
         _enum(f"{prefix}.dtype", Dtype, self.dtype)
         self.kv.validate(f"{prefix}.kv")
+        if _enum(f"{prefix}.engine", EngineKind, self.engine) == EngineKind.vllm:
+            # Refuse score-based policies at config load, not minutes later in an actor.
+            from actors.vllm.kv import check_policy  # imports no vLLM
+
+            check_policy(self.kv, f"{prefix}.kv")
 
 
 @dataclass

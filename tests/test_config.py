@@ -96,3 +96,10 @@ def test_kuberay_manifests_parse_and_pools_scale_apart():
     cfg = load_config([a.replace("launch/configs/", str(CONFIG_DIR) + "/") for a in args[2:]])
     assert cfg.cluster.address == "auto"
     assert cfg.cluster.rollout_resources == {"rollout_pool": 1.0}
+
+
+def test_vllm_engine_refuses_score_based_policy_at_load():
+    with pytest.raises(ConfigError, match="rollout.kv.policy"):
+        load_config(["rollout.engine=vllm", "rollout.kv.policy=rkv"])
+    cfg = load_config(["rollout.engine=vllm", "rollout.kv.policy=streaming"])
+    assert cfg.rollout.engine.value == "vllm"
