@@ -2,6 +2,9 @@
 
     python launch/make_base_model.py --out .cache/models/tiny-base [--seed 0] [--force]
 
+Defaults (seed 0, 2 threads, idle 2-core CPU): 1.02M params, stops after 800 steps in ~3 min at
+held-out greedy accuracy ~0.45 (256 problems: 0.465).
+
 The model is trained only until its greedy held-out accuracy crosses ``--target-acc`` (checked every
 ``--eval-every`` steps, capped by ``--max-steps``), so it is competent but far from perfect and RL has
 room to improve it. Everything is a function of ``--seed`` (one torch thread, seeded data order).
@@ -39,18 +42,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)   # 2e-3 was unstable
-    p.add_argument("--max-steps", type=int, default=1000)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--max-steps", type=int, default=1500)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--n-eval", type=int, default=128, help="held-out problems per accuracy check")
-    p.add_argument("--target-acc", type=float, default=0.25, help="stop once greedy acc >= this")
+    p.add_argument("--target-acc", type=float, default=0.35, help="stop once greedy acc >= this")
     p.add_argument("--min-terms", type=int, default=TaskConfig.min_terms)
     p.add_argument("--max-terms", type=int, default=TaskConfig.max_terms)
-    # SFT draws from a larger train split than RL uses (the split is a prefix-stable stream, so
-    # RL's n_train problems are among these): fresh problems instead of many epochs over few.
-    p.add_argument("--n-train", type=int, default=50000)
+    # SFT on the same 4096 train problems RL uses (several epochs): measured, this base model
+    # improves much more under RL than one SFT'd on 50k fresh problems at lr 1e-3 to 0.30.
+    p.add_argument("--n-train", type=int, default=TaskConfig.n_train)
     p.add_argument("--n-heldout", type=int, default=TaskConfig.n_heldout)
-    p.add_argument("--threads", type=int, default=2, help="torch threads (the build runs alone)")
+    # The weights (and the step where SFT stops) are deterministic for a given thread count but
+    # differ between counts. 2 (the build runs alone on a 2-core machine) takes ~3 min; the default
+    # RL recipe was measured on both the 1- and the 2-thread model.
+    p.add_argument("--threads", type=int, default=2)
     return p.parse_args(argv)
 
 

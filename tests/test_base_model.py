@@ -15,7 +15,7 @@ def _args(out, *extra):
     return mbm.parse_args(["--out", str(out), "--hidden", "32", "--layers", "1", "--heads", "2",
                            "--batch-size", "8", "--max-steps", "6", "--eval-every", "3",
                            "--n-eval", "4", "--min-terms", "2", "--max-terms", "3", "--n-train", "64",
-                           "--n-heldout", "8", *extra])
+                           "--n-heldout", "8", "--threads", "1", *extra])
 
 
 def test_build_reload_and_cache(tmp_path):
