@@ -42,6 +42,7 @@ class RolloutActor:
         self._task = None
         self._receiver = None
         self._calls = 0
+        self._dense = None
 
     # ---- generation ------------------------------------------------------------------------------
     def _task_obj(self):
@@ -62,12 +63,30 @@ class RolloutActor:
                               seed=seed, logprob_mode=getattr(c.logprob_mode, "value",
                                                               c.logprob_mode))
 
-    def _generate(self, problems, samples: int, greedy: bool):
+    def _dense_engine(self):
+        """A dense-KV engine over the same model (shared weights) for evaluation.
+
+        Held-out accuracy measures the *model*, so it is decoded with the full cache whatever KV
+        policy the rollouts use. The vLLM engine has no second cache on the same weights: it
+        evaluates with its own (dense or sliding-window) setting.
+        """
+        from actors.config import EngineKind, KVConfig
+        from actors.native import NativeEngine
+
+        if EngineKind(self.cfg.engine) != EngineKind.native or self.engine.policy == KVPolicy.dense:
+            return self.engine
+        if self._dense is None:
+            self._dense = NativeEngine(self.engine.model, KVConfig(policy=KVPolicy.dense),
+                                       self.cfg.batch_size)
+        return self._dense
+
+    def _generate(self, problems, samples: int, greedy: bool, dense: bool = False):
         prompts = [self.tokenizer(p.prompt)["input_ids"] for p in problems]
         expanded = [ids for ids in prompts for _ in range(samples)]
         params = self._params(greedy)
+        engine = self._dense_engine() if dense else self.engine
         t0 = time.perf_counter()
-        outs = self.engine.generate(expanded, params)
+        outs = engine.generate(expanded, params)
         return outs, (time.perf_counter() - t0), params
 
     def _reward(self, output, answer: str) -> tuple[str, float]:
@@ -99,11 +118,12 @@ class RolloutActor:
             })
         return rows
 
-    def evaluate(self, problems, greedy: bool = True) -> dict:
-        """One sample per problem (greedy, or sampled at the rollout temperature)."""
+    def evaluate(self, problems, greedy: bool = True, dense: bool = True) -> dict:
+        """One sample per problem (greedy, or sampled at the rollout temperature), decoded with a
+        dense cache unless ``dense=False`` (then with the rollout KV policy)."""
         if not problems:
             return {"accuracy": 0.0, "num_problems": 0}
-        outs, elapsed, _ = self._generate(problems, 1, greedy=greedy)
+        outs, elapsed, _ = self._generate(problems, 1, greedy=greedy, dense=dense)
         rewards = [self._reward(o, p.answer)[1] for o, p in zip(outs, problems)]
         return {"accuracy": sum(r > 0 for r in rewards) / len(rewards),
                 "mean_reward": sum(rewards) / len(rewards), "num_problems": len(problems),

@@ -132,3 +132,17 @@ def test_omegaconf_structured_and_vllm_without_vllm(model_dir):
             make_engine(cfg, model_dir)
     with pytest.raises(Exception):
         OmegaConf.merge(base, OmegaConf.create({"kv": {"policy": "bogus"}}))
+
+
+def test_evaluate_decodes_densely_unless_asked(model_dir):
+    """Held-out accuracy measures the model: a sparse actor evaluates with a dense cache over the
+    same (shared) weights by default, and with its own KV policy when dense=False."""
+    sparse_kv = KVConfig(policy="streaming", budget=3, compress_every=1, sink_tokens=1)
+    sparse = make_actor(model_dir, kv=sparse_kv)
+    dense = make_actor(model_dir)
+    as_dense = sparse.evaluate(PROBLEMS, greedy=True)
+    assert as_dense == {**dense.evaluate(PROBLEMS, greedy=True), "gen_time_s": as_dense["gen_time_s"]}
+    assert as_dense["kept_ratio"] == 1.0
+    assert sparse.evaluate(PROBLEMS, greedy=True, dense=False)["kept_ratio"] < 1.0
+    # The dense evaluator shares the model, so weight updates reach it too.
+    assert sparse._dense_engine().model is sparse.engine.model
