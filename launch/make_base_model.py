@@ -25,10 +25,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
-
-from tasks import TaskConfig, make_task  # noqa: E402
-from tasks.tokenizer import save_char_tokenizer  # noqa: E402
+from tasks import TaskConfig, make_task
+from tasks.tokenizer import save_char_tokenizer
 
 MARKER = ".complete"
 METRICS = "sft_metrics.json"
