@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from common.errors import ConfigError
-from common.validate import check_range
+from common.validate import check_range, check_enum
 
 
 class EngineKind(str, enum.Enum):
@@ -31,12 +31,7 @@ class LogprobMode(str, enum.Enum):
     raw = "raw"               # log_softmax(logits / temperature), no truncation
 
 
-def _enum(key: str, cls: type[enum.Enum], value: object) -> enum.Enum:
-    """Coerce ``value`` (an Enum member or its string) to ``cls`` or raise ConfigError naming key."""
-    try:
-        return cls(value.value if isinstance(value, enum.Enum) else value)
-    except ValueError:
-        raise ConfigError(key, value, "one of " + ", ".join(repr(m.value) for m in cls)) from None
+_enum = check_enum  # shared: coerce a string to the Enum or name the key
 
 
 class Dtype(str, enum.Enum):

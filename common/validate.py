@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from enum import Enum
 
 from common.errors import ConfigError
 
@@ -24,3 +25,12 @@ def check_choice(key: str, value: object, choices: Iterable[object]) -> None:
     choices = list(choices)
     if value not in choices:
         raise ConfigError(key, value, "one of " + ", ".join(repr(c) for c in choices))
+
+
+def check_enum(key: str, cls: type[Enum], value: object) -> Enum:
+    """Coerce ``value`` (an Enum member or its string value) to ``cls``, or raise ConfigError naming
+    ``key`` and listing the allowed values."""
+    try:
+        return cls(value.value if isinstance(value, Enum) else value)
+    except ValueError:
+        raise ConfigError(key, value, "one of " + ", ".join(repr(m.value) for m in cls)) from None

@@ -16,7 +16,7 @@ import enum
 from dataclasses import dataclass, field
 
 from common.errors import ConfigError
-from common.validate import check_range
+from common.validate import check_range, check_enum
 
 
 class CorrectionMethod(str, enum.Enum):
@@ -67,12 +67,7 @@ class LagScaling(str, enum.Enum):
     SQRT = "sqrt"           # f(l) = sqrt(max(l, 1))
 
 
-def _enum(key: str, cls: type[enum.Enum], value: object) -> enum.Enum:
-    """Coerce ``value`` (an Enum member or its string) to ``cls``; else ConfigError naming key."""
-    try:
-        return cls(value.value if isinstance(value, enum.Enum) else value)
-    except ValueError:
-        raise ConfigError(key, value, "one of " + ", ".join(repr(m.value) for m in cls)) from None
+_enum = check_enum  # shared: coerce a string to the Enum or name the key
 
 
 def _bounds(prefix: str, lower: float, upper: float, upper_min: float = 1.0) -> None:

@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass
 
 from common.errors import ConfigError
-from common.validate import check_range
+from common.validate import check_range, check_enum
 
 
 class Precision(str, enum.Enum):
@@ -25,12 +25,7 @@ class LRSchedule(str, enum.Enum):
     COSINE = "cosine"       # linear warmup, then cosine from lr to lr * min_lr_ratio over decay_steps
 
 
-def _enum(key: str, cls: type[enum.Enum], value: object) -> enum.Enum:
-    """Coerce an Enum member or its string value to ``cls``, or raise ConfigError naming ``key``."""
-    try:
-        return cls(value.value if isinstance(value, enum.Enum) else value)
-    except ValueError:
-        raise ConfigError(key, value, "one of " + ", ".join(repr(m.value) for m in cls)) from None
+_enum = check_enum  # shared: coerce a string to the Enum or name the key
 
 
 @dataclass
