@@ -20,9 +20,13 @@ import pyarrow.compute as pc
 
 def main(argv: list[str]) -> dict:
     # 1. Config: merged and validated before anything starts (a bad key stops here, naming it).
+    from common.errors import ConfigError
     from launch.config import load_config, to_yaml
 
     cfg = load_config(argv)
+    if not (Path(cfg.rollout.model_path) / "config.json").is_file():
+        raise ConfigError("rollout.model_path", cfg.rollout.model_path,
+                          "an HF model directory with config.json (`make model` builds the tiny base)")
     # A fresh folder per run, so a second run never mixes with (or deletes) an earlier one's files.
     run_dir = Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=False)

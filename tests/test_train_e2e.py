@@ -72,3 +72,8 @@ def test_bad_config_stops_before_ray(tmp_path):
     assert "rollout.kv.polcy" in proc.stderr and "policy" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "runs").exists() and "Ray" not in proc.stdout
+
+
+def test_missing_model_names_key(tmp_path):
+    proc = _run([f"rollout.model_path={tmp_path / 'nope'}"], tmp_path)
+    assert proc.returncode == 2 and "rollout.model_path" in proc.stderr and "nope" in proc.stderr
