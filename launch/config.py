@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -26,6 +27,13 @@ from tasks.config import TaskConfig
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
+class RunMode(str, Enum):
+    """sync: generate, then train. async: launch the next rollouts before training on the current
+    batch (generation overlaps the learner step; samples lag the learner by one version)."""
+    sync = "sync"
+    async_ = "async"
+
+
 @dataclass
 class RunConfig:
     name: str = "default"
@@ -37,6 +45,7 @@ class RunConfig:
     eval_greedy: bool = False       # False: mean accuracy of one sample at the rollout temperature
     eval_every: int = 0             # also evaluate every N steps (0: only before and after)
     log_every: int = 1
+    mode: RunMode = RunMode.sync
 
     def validate(self, prefix: str = "run") -> None:
         if not self.name or "/" in self.name:
@@ -80,7 +89,11 @@ def _as_config_error(err: OmegaConfBaseException, schema, source: str) -> Config
     value = getattr(err, "value", None)
     if isinstance(err, ConfigKeyError):
         return ConfigError(key, f"unknown key (from {source})", _allowed_keys(schema, key))
-    # OmegaConf's own message says what the type or enum allows; keep its first line.
+    current = OmegaConf.select(schema, key, default=None) if key != "?" else None
+    if isinstance(current, Enum):  # list the values YAML takes (OmegaConf lists member names)
+        choices = ", ".join(repr(m.value) for m in type(current))
+        return ConfigError(key, value, f"one of {choices} (from {source})")
+    # OmegaConf's own message says what the type allows; keep its first line.
     msg = str(err).splitlines()[0]
     return ConfigError(key, value, f"{msg} (from {source})")
 

@@ -76,13 +76,32 @@ def split_groups(batch, n: int) -> list:
     return [batch.filter(pc.is_in(batch.column("group_id"), pa.array(g))) for g in parts]
 
 
-def fan_out(actors: list, method: str, items: list, *args) -> list:
-    """Call ``method(chunk, *args)`` on each actor with its share of ``items``; concatenated results."""
+def launch(actors: list, method: str, items: list, *args) -> list:
+    """Start ``method(chunk, *args)`` on each actor with its share of ``items``; returns the refs."""
+    return [getattr(a, method).remote(chunk, *args)
+            for a, chunk in zip(actors, split(items, len(actors))) if chunk]
+
+
+def gather(refs: list) -> list:
+    """Wait for ``launch``'s calls; their result lists, concatenated in actor order."""
     import ray
 
-    refs = [getattr(a, method).remote(chunk, *args)
-            for a, chunk in zip(actors, split(items, len(actors))) if chunk]
     return [row for part in ray.get(refs) for row in part]
+
+
+def batch_metrics(batch, learner_version: int) -> dict:
+    """Reward, lengths, kept ratio and staleness of a training batch; checks log-prob lengths."""
+    import pyarrow.compute as pc
+
+    lengths_ok = all(pc.all(pc.equal(pc.list_value_length(batch.column(c)),
+                                     batch.column("response_len"))).as_py()
+                     for c in ("sampler_logprobs", "old_logprobs"))
+    lag = learner_version - 1 - batch.column("policy_version").to_numpy()  # version trained on
+    return {"reward": float(pc.mean(batch.column("reward")).as_py()),
+            "response_len": float(pc.mean(batch.column("response_len")).as_py()),
+            "kept_ratio": float(pc.mean(batch.column("kept_ratio")).as_py()),
+            "batch/logprob_lengths_match": lengths_ok,
+            "batch/staleness_mean": float(lag.mean()), "batch/staleness_max": int(lag.max())}
 
 
 def evaluate(rollout_actors: list, problems: list, greedy: bool) -> float:

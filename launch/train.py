@@ -15,13 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow.compute as pc
-
 
 def main(argv: list[str]) -> dict:
     # 1. Config: merged and validated before anything starts (a bad key stops here, naming it).
     from common.errors import ConfigError
-    from launch.config import load_config, to_yaml
+    from launch.config import RunMode, load_config, to_yaml
 
     cfg = load_config(argv)
     if not (Path(cfg.rollout.model_path) / "config.json").is_file():
@@ -38,7 +36,8 @@ def main(argv: list[str]) -> dict:
     from cluster.pools import broadcast_weights, build_pools, connect_weight_sync
     from cluster.ray_setup import start_ray
     from common.modeling import load_tokenizer
-    from launch.steps import MetricsLog, PromptSampler, evaluate, fan_out, split_groups, split_rows
+    from launch.steps import (MetricsLog, PromptSampler, batch_metrics, evaluate, gather, launch,
+                              split_groups, split_rows)
     from tasks import make_task
 
     torch.manual_seed(cfg.run.seed)
@@ -66,10 +65,14 @@ def main(argv: list[str]) -> dict:
     print(f"[eval] step 0: held-out accuracy {acc_before:.3f} on {len(heldout)} problems", flush=True)
     log.write({"step": 0, "eval/accuracy": acc_before})
 
+    # 6. RL steps. sync: generate, then train. async: the next rollouts are launched before training
+    # on the current batch, so generation overlaps the learner step (samples lag one version).
+    overlap = cfg.run.mode == RunMode.async_
+    in_flight = launch(pools.rollout, "rollout", sampler.next(), version)
     for step in range(1, cfg.run.steps + 1):
         t0 = time.time()
         # 6a. Sparse rollouts: G samples per prompt, sampler log-probs, rewards, policy version.
-        rows = fan_out(pools.rollout, "rollout", sampler.next(), version)
+        rows = gather(in_flight)
         ray.get(pools.buffer.append.remote(rows))
         t_roll = time.time() - t0
 
@@ -84,24 +87,24 @@ def main(argv: list[str]) -> dict:
         if batch is None:
             raise RuntimeError(f"step {step}: the buffer had no complete scored groups to train on")
         shards = [to_tensors(b, pad_id) for b in split_groups(batch, len(pools.learners))]
+        more = step < cfg.run.steps
+        if overlap and more:  # async: the next rollouts start now, with the current weights
+            in_flight = launch(pools.rollout, "rollout", sampler.next(), version)
 
         # 6d. Correction + GRPO/PPO step on every data-parallel learner (DeepSpeed all-reduces).
         metrics = ray.get([lrn.train_step.remote(sh, cfg.rollout.temperature)
                            for lrn, sh in zip(pools.learners, shards)])[0]
         ray.get(pools.buffer.mark_consumed.remote(batch.column("sample_id").to_pylist()))
 
-        # 6e. New weights to every rollout and scorer actor, between generation batches.
+        # 6e. New weights to every rollout and scorer actor, between generation batches (in async
+        # mode the actors take them once their in-flight rollouts finish).
         version, sync = broadcast_weights(pools)
+        if not overlap and more:
+            in_flight = launch(pools.rollout, "rollout", sampler.next(), version)
 
         # 6f. Metrics: reward, mismatch and correction statistics, timings.
-        rewards = batch.column("reward").to_numpy()
-        lengths_ok = all(pc.all(pc.equal(pc.list_value_length(batch.column(c)), batch.column(
-            "response_len"))).as_py() for c in ("sampler_logprobs", "old_logprobs"))
-        record = {"step": step, "version": version, "reward": float(rewards.mean()),
-                  "response_len": float(pc.mean(batch.column("response_len")).as_py()),
-                  "kept_ratio": float(pc.mean(batch.column("kept_ratio")).as_py()),
-                  "batch/logprob_lengths_match": lengths_ok,
-                  "time/rollout_s": t_roll, "time/step_s": time.time() - t0, **sync,
+        record = {"step": step, "version": version, **batch_metrics(batch, version),
+                  "time/rollout_wait_s": t_roll, "time/step_s": time.time() - t0, **sync,
                   **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
         if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < cfg.run.steps:
             record["eval/accuracy"] = evaluate(pools.rollout, heldout, cfg.run.eval_greedy)

@@ -35,9 +35,10 @@ def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
-def test_train_runs_end_to_end(tiny_model, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_train_runs_end_to_end(tiny_model, tmp_path, mode):
     steps = 3
-    proc = _run([f"rollout.model_path={tiny_model}", f"run.steps={steps}", "run.eval_problems=8",
+    proc = _run([f"run.mode={mode}", f"rollout.model_path={tiny_model}", f"run.steps={steps}", "run.eval_problems=8",
                  "run.prompts_per_step=4", "rollout.samples_per_prompt=4",
                  "rollout.max_new_tokens=24", "rollout.kv.budget=16", "rollout.kv.compress_every=4",
                  "scorer.num_actors=1", "rollout.num_actors=2",
@@ -59,6 +60,10 @@ def test_train_runs_end_to_end(tiny_model, tmp_path):
     assert [r["version"] for r in train] == list(range(1, steps + 1))
     assert all(r["batch/logprob_lengths_match"] for r in train)
     assert all(r["kept_ratio"] < 1.0 for r in train)  # the R-KV budget really evicted tokens
+    # sync trains on samples of the version it holds; async on samples one version behind
+    # (generated while the previous step trained), except the very first batch.
+    lags = [r["batch/staleness_max"] for r in train]
+    assert lags == ([0] * steps if mode == "sync" else [0] + [1] * (steps - 1))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["version"] == steps
     assert (run_dir / "final" / "config.json").is_file()
