@@ -40,11 +40,24 @@ def start_ray(cfg: ClusterConfig, run_dir: str | Path):
     if cfg.address:
         ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=True)
         return ray
+    _loopback_only(ray)
     temp_dir = cfg.temp_dir or tempfile.mkdtemp(prefix="ray-", dir=_short_tmp())
     ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
              _temp_dir=temp_dir, runtime_env=runtime_env, log_to_driver=True,
              configure_logging=False)
     return ray
+
+
+def _loopback_only(ray) -> None:
+    """Keep a local Ray on 127.0.0.1: nothing it starts listens on another interface.
+
+    Ray 2.60 replaces a loopback ``_node_ip_address`` with the machine's routable address (and its
+    GCS, raylet and workers bind to that) unless it thinks it runs without clusters, which
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` says. The environment variable reaches the processes Ray
+    spawns; the module constant covers a Ray already imported in this process.
+    """
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def _short_tmp() -> str:

@@ -1,0 +1,53 @@
+"""A local Ray started by the project listens on loopback only and keeps actors to one thread."""
+from __future__ import annotations
+
+import ipaddress
+import os
+
+import psutil
+import pytest
+
+from cluster.config import ClusterConfig
+from cluster.ray_setup import actor_options, free_port, start_ray
+
+
+@pytest.fixture()
+def local_ray(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    ray = start_ray(ClusterConfig(), tmp_path)
+    yield ray
+    ray.shutdown()
+
+
+def _listening_addresses(root_pid: int) -> list[str]:
+    pids = {root_pid} | {p.pid for p in psutil.Process(root_pid).children(recursive=True)}
+    return [c.laddr.ip for c in psutil.net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.pid in pids]
+
+
+def test_local_ray_listens_on_loopback_only(local_ray):
+    ray = local_ray
+
+    @ray.remote(**actor_options(0.5))
+    class Probe:
+        def threads(self):
+            return os.environ.get("OMP_NUM_THREADS")
+
+    probe = Probe.remote()
+    assert ray.get(probe.threads.remote()) == "1"
+    assert ray.nodes()[0]["NodeManagerAddress"] == "127.0.0.1"
+    addrs = _listening_addresses(os.getpid())
+    assert addrs, "expected Ray's servers among this process's children"
+    for ip in addrs:
+        addr = ipaddress.ip_address(ip)
+        mapped = getattr(addr, "ipv4_mapped", None)
+        assert addr.is_loopback or (mapped is not None and mapped.is_loopback), ip
+
+
+def test_free_port_is_bindable():
+    import socket
+
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
