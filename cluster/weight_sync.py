@@ -107,6 +107,17 @@ def plan_buckets(spec: list[SpecEntry], bucket_bytes: int) -> list[_Bucket]:
     return buckets
 
 
+def listen_fd(host: str, port: int) -> int:
+    """The fd of a TCP socket listening on (host, port), for ``TCPStore(master_listen_fd=...)``,
+    which takes ownership of it (and closes it with the store)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    return sock.detach()
+
+
 class _Group:
     """Store + process group shared by sender and receivers; rank 0 hosts the store.
 
@@ -125,8 +136,11 @@ class _Group:
         self.bucket_bytes = bucket_bytes
         self.timeout = timedelta(seconds=timeout_s)
         self._key = key
+        # TCPStore's own server listens on every interface ("::"): rank 0 hands it a socket bound
+        # to ``host`` instead, so a 127.0.0.1 group is reachable from this machine only.
+        server = {"master_listen_fd": listen_fd(host, port)} if rank == 0 else {}
         self.store = dist.TCPStore(host, port, world_size, is_master=(rank == 0),
-                                   timeout=self.timeout, wait_for_workers=False)
+                                   timeout=self.timeout, wait_for_workers=False, **server)
         self._agree_on_spec()
         self.buckets = plan_buckets(self.spec, self.bucket_bytes)
         self.pg = self._make_pg()

@@ -92,6 +92,25 @@ def _set_dist_env(rank: int, world_size: int, local_rank: int, addr: str, port: 
                        "MASTER_ADDR": addr, "MASTER_PORT": str(port)})
 
 
+def _init_default_group(rank: int, world_size: int, addr: str, port: int):
+    """Create DeepSpeed's default process group ourselves, its store listening on ``addr`` only.
+
+    ``init_process_group(init_method="env://")`` (what DeepSpeed would do) starts a TCPStore server
+    on every interface ("::"); handing it a socket bound to ``addr`` keeps a 127.0.0.1 learner group
+    off the network. DeepSpeed then finds the group initialised and uses it.
+    """
+    import torch.distributed as dist
+
+    from cluster.weight_sync import listen_fd
+
+    if dist.is_initialized():
+        return
+    server = {"master_listen_fd": listen_fd(addr, port)} if rank == 0 else {}
+    store = dist.TCPStore(addr, port, world_size, is_master=(rank == 0), **server)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+
+
 def _disable_shm_comm() -> None:
     """Make DeepSpeed skip its shared-memory CPU all-reduce op, which it compiles (~50 s) at the
     first ``initialize`` of every fresh extensions dir; collectives then go through gloo.
@@ -164,6 +183,7 @@ class Learner:
         if local_rank is None:  # under Ray each GPU actor sees one device; elsewhere rank-per-GPU
             local_rank = rank % torch.cuda.device_count() if torch.cuda.device_count() > 1 else 0
         _set_dist_env(rank, world_size, local_rank, master_addr, master_port)
+        _init_default_group(rank, world_size, master_addr, master_port)
 
         import deepspeed
 

@@ -138,3 +138,21 @@ def test_nccl_without_cuda_is_a_clear_error():
         WeightSender("127.0.0.1", free_port(), 1, weight_spec(_Net(0)), backend="nccl", timeout_s=5)
     with pytest.raises(ValueError, match="'gloo' or 'nccl'"):
         WeightSender("127.0.0.1", free_port(), 1, weight_spec(_Net(0)), backend="mpi")
+
+
+def test_sender_store_listens_on_its_host_only():
+    """TCPStore's own server would listen on every interface ("::"); ours is bound to the host."""
+    import os
+
+    import psutil
+
+    def listening():
+        return {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections(kind="tcp")
+                if c.status == psutil.CONN_LISTEN and c.pid == os.getpid()}
+
+    before = listening()
+    port = free_port()
+    s = WeightSender("127.0.0.1", port, 1, weight_spec(_Net(0)), timeout_s=5)
+    new = listening() - before  # the store's server, and gloo's own pair listener
+    assert ("127.0.0.1", port) in new and {ip for ip, _ in new} == {"127.0.0.1"}
+    s.close()
