@@ -74,7 +74,7 @@ def _receiver(port: int, n: int, reps: int):
 def broadcast_rows(mb: int, reps: int) -> list[dict]:
     import ray
 
-    from cluster.ray_setup import free_port
+    from cluster.weight_sync import free_port
 
     n = mb * (1 << 20) // 4
     port = free_port()

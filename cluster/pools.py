@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.ray_setup import actor_options, free_port
+from cluster.ray_setup import actor_options
+from cluster.weight_sync import free_port
 
 
 @dataclass

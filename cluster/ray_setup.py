@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from pathlib import Path
 
@@ -74,10 +73,3 @@ def actor_options(cpus: float, gpus: float = 0.0, resources: dict | None = None,
     if name:
         opts["name"] = name
     return opts
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on ``host`` (for the weight-sync TCPStore)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

@@ -108,9 +108,7 @@ def evaluate(rollout_actors: list, problems: list, greedy: bool) -> float:
     """Held-out accuracy over all actors (weighted by how many problems each scored)."""
     import ray
 
-    refs = [a.evaluate.remote(chunk, greedy)
-            for a, chunk in zip(rollout_actors, split(problems, len(rollout_actors))) if chunk]
-    results = ray.get(refs)
+    results = ray.get(launch(rollout_actors, "evaluate", problems, greedy))
     total = sum(r["num_problems"] for r in results)
     return sum(r["accuracy"] * r["num_problems"] for r in results) / max(total, 1)
 

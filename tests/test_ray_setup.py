@@ -8,7 +8,8 @@ import psutil
 import pytest
 
 from cluster.config import ClusterConfig
-from cluster.ray_setup import actor_options, free_port, start_ray
+from cluster.ray_setup import actor_options, start_ray
+from cluster.weight_sync import free_port
 
 
 @pytest.fixture()
