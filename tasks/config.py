@@ -9,7 +9,7 @@ import enum
 from dataclasses import dataclass
 
 from common.errors import ConfigError
-from common.validate import check_range
+from common.validate import check_enum, check_range
 
 
 class TaskName(str, enum.Enum):
@@ -60,11 +60,7 @@ class TaskConfig:
                               ("answer_format", AnswerFormat)):
             value = getattr(self, key)
             if isinstance(value, str) and not isinstance(value, enum_cls):
-                try:
-                    setattr(self, key, enum_cls(value))
-                except ValueError:
-                    raise ConfigError(f"task.{key}", value,
-                                      "one of " + ", ".join(e.value for e in enum_cls)) from None
+                setattr(self, key, check_enum(f"task.{key}", enum_cls, value))
 
     def validate(self, prefix: str = "task") -> None:
         """Raise ConfigError naming ``prefix.key`` for any value out of range."""
