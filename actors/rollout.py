@@ -52,10 +52,15 @@ class RolloutActor:
             self._task = tasks.make_task(self.task_cfg)
         return self._task
 
-    def _params(self, greedy: bool) -> SamplingParams:
+    def _params(self, greedy: bool, batch: int | None = None) -> SamplingParams:
+        """Sampling settings for one engine call. The seed derives from (rollout.seed, actor_id,
+        batch): the driver numbers its rollout batches, so a resumed run draws exactly the samples
+        an uninterrupted one would. Without ``batch`` (evaluation, direct use) a per-actor call
+        counter stands in, in a separate seed stream."""
         c = self.cfg
         eos = self.tokenizer.eos_token_id
-        seed = (c.seed * 1_000_003 + self.actor_id) * 1_000_003 + self._calls
+        key = batch if batch is not None else -1 - self._calls
+        seed = (c.seed * 1_000_003 + self.actor_id) * 1_000_003 + key
         self._calls += 1
         return SamplingParams(max_new_tokens=c.max_new_tokens,
                               temperature=0.0 if greedy else c.temperature, top_p=c.top_p,
@@ -80,10 +85,11 @@ class RolloutActor:
                                        self.cfg.batch_size)
         return self._dense
 
-    def _generate(self, problems, samples: int, greedy: bool, dense: bool = False):
+    def _generate(self, problems, samples: int, greedy: bool, dense: bool = False,
+                  batch: int | None = None):
         prompts = [self.tokenizer(p.prompt)["input_ids"] for p in problems]
         expanded = [ids for ids in prompts for _ in range(samples)]
-        params = self._params(greedy)
+        params = self._params(greedy, batch)
         engine = self._dense_engine() if dense else self.engine
         t0 = time.perf_counter()
         outs = engine.generate(expanded, params)
@@ -93,19 +99,21 @@ class RolloutActor:
         text = self.tokenizer.decode(output.response_ids, skip_special_tokens=True)
         return text, float(self._task_obj().reward(text, answer))
 
-    def rollout(self, problems, version: int) -> list[dict]:
+    def rollout(self, problems, version: int, batch: int | None = None) -> list[dict]:
         """G samples per problem as buffer rows (rewards filled). ``gen_time_s`` is the sample's
-        share of the wall time of the engine call that produced it."""
+        share of the wall time of the engine call that produced it. ``batch`` (the driver's
+        rollout-batch number) fixes the sampling seed and the sample ids, so they are reproducible
+        across restarts; without it a call counter is used."""
         g = self.cfg.samples_per_prompt
-        outs, elapsed, params = self._generate(problems, g, greedy=False)
+        outs, elapsed, params = self._generate(problems, g, greedy=False, batch=batch)
         kv = self.cfg.kv
         policy = KVPolicy(kv.policy).value
         budget = 0 if policy == KVPolicy.dense.value else int(kv.budget)   # 0: unbounded (dense)
-        call = self._calls - 1
+        tag = f"b{batch}" if batch is not None else f"c{self._calls - 1}"
         rows = []
         for j, out in enumerate(outs):
             prob = problems[j // g]
-            group = f"v{version}-a{self.actor_id}-c{call}-p{prob.idx}"
+            group = f"v{version}-a{self.actor_id}-{tag}-p{prob.idx}"
             _, reward = self._reward(out, prob.answer)
             rows.append({
                 "sample_id": f"{group}-s{j % g}", "group_id": group, "prompt_idx": int(prob.idx),

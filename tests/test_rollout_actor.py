@@ -146,3 +146,15 @@ def test_evaluate_decodes_densely_unless_asked(model_dir):
     assert sparse.evaluate(PROBLEMS, greedy=True, dense=False)["kept_ratio"] < 1.0
     # The dense evaluator shares the model, so weight updates reach it too.
     assert sparse._dense_engine().model is sparse.engine.model
+
+
+def test_numbered_batches_reproduce_across_fresh_actors(model_dir):
+    """A resumed run has fresh actors: the driver's batch number alone fixes samples and ids."""
+    a, b = make_actor(model_dir, temperature=1.0), make_actor(model_dir, temperature=1.0)
+    a.evaluate(PROBLEMS[:1], greedy=False)  # earlier calls on one actor must not shift its seeds
+    ra, rb = a.rollout(PROBLEMS, version=2, batch=5), b.rollout(PROBLEMS, version=2, batch=5)
+    key = lambda rows: [(r["sample_id"], r["response_ids"], r["sampler_logprobs"]) for r in rows]
+    assert key(ra) == key(rb)
+    assert all("-b5-" in r["sample_id"] for r in ra)
+    other = b.rollout(PROBLEMS, version=2, batch=6)
+    assert [r["response_ids"] for r in other] != [r["response_ids"] for r in ra]
