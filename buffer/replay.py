@@ -315,6 +315,28 @@ class ReplayBuffer:
         )
         return out
 
+    @_locked
+    def snapshot(self, dest: str) -> int:
+        """Copy the durable state into the empty directory ``dest`` (a run checkpoint); returns
+        the number of segment files. Leases are not part of it: restored, those rows are offered
+        again, as after a crash."""
+        if self._store is None:
+            raise ValueError("snapshot needs a durable buffer: set buffer.root")
+        return self._store.export(dest)
+
+    @_locked
+    def restore(self, src: str) -> int:
+        """Load a ``snapshot`` into this empty, durable buffer: the segments are copied into the
+        root and replayed by the same recovery code as after a restart. Returns the live rows."""
+        if self._store is None:
+            raise ValueError("restore needs a durable buffer: set buffer.root")
+        if self._rows or self._store.files:
+            raise ValueError(f"restore into a buffer that already holds data ({self._store.root}): "
+                             "point buffer.root at an empty directory")
+        self._store.import_segments(src)
+        self._recover()
+        return self._live
+
     def live_sample_ids(self) -> list[str]:
         """Ids of rows not yet consumed or dropped (generated or scored), oldest first."""
         with self._lock:

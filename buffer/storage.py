@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import warnings
 import zlib
 from collections.abc import Iterator
@@ -139,5 +140,35 @@ class SegmentStore:
         log.error("%s", err)
         warnings.warn(str(err), RuntimeWarning, stacklevel=3)
 
+    # ---- checkpoints ---------------------------------------------------------------------
+    def export(self, dest: str) -> int:
+        """Copy every segment into the empty directory ``dest``; returns how many. Segments are
+        immutable once named, so a hard link is an exact, instant copy (a plain copy across file
+        systems)."""
+        os.makedirs(dest, exist_ok=True)
+        if os.listdir(dest):
+            raise ValueError(f"buffer snapshot destination {dest} is not empty")
+        for seg in self.files.values():
+            _link_or_copy(seg.path, os.path.join(dest, os.path.basename(seg.path)))
+        return len(self.files)
+
+    def import_segments(self, src: str) -> int:
+        """Copy the segment files of an ``export`` into this (empty) root; ``scan`` then reads
+        them. Returns how many."""
+        if not os.path.isdir(src):
+            raise FileNotFoundError(f"buffer snapshot {src} does not exist")
+        names = sorted(n for n in os.listdir(src) if _NAME.match(n))
+        for name in names:
+            _link_or_copy(os.path.join(src, name), os.path.join(self.root, name))
+        self._sync_dir()
+        return len(names)
+
     def disk_bytes(self) -> int:
         return sum(s.nbytes for s in self.files.values())
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system, or hard links not allowed there
+        shutil.copy2(src, dst)

@@ -376,7 +376,10 @@ class Learner:
         """DeepSpeed checkpoint (module, optimiser, LR scheduler, ZeRO partitions) plus the policy
         version, under ``path/v{version}``. A collective: every learner rank must call it."""
         tag = f"v{self.version}"
-        self.engine.save_checkpoint(str(path), tag=tag, client_state={"version": self.version})
+        rng = {"torch": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        self.engine.save_checkpoint(str(path), tag=tag,
+                                    client_state={"version": self.version, "rng": rng})
         return str(Path(path) / tag)
 
     def load_checkpoint(self, path: str, tag: str | None = None) -> int:
@@ -386,6 +389,11 @@ class Learner:
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {path} (tag {tag!r})")
         self.version = int(client["version"])
+        rng = client.get("rng") or {}
+        if rng.get("torch") is not None:
+            torch.set_rng_state(rng["torch"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
         if self._zero3:
             self._gather_full()
         return self.version

@@ -157,9 +157,12 @@ def test_checkpoint_resume_continues_exactly(model_dir, batch, tmp_path, stage):
     a = _learner(model_dir, **kw)
     a.train_step(batch)
     a.save_checkpoint(str(tmp_path / "ckpt"))
+    rng_a = torch.rand(3)  # the learner process's RNG stream after the checkpoint
     a.train_step(batch)
     b = _learner(model_dir, **kw)
+    torch.manual_seed(1234)
     assert b.load_checkpoint(str(tmp_path / "ckpt")) == 1
+    assert torch.equal(torch.rand(3), rng_a)  # RNG state came back with the checkpoint
     b.train_step(batch)
     assert b.version == a.version == 2
     for (n, x), (_, y) in zip(a.named_weights(), b.named_weights()):
