@@ -93,6 +93,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0                        # 0 = off
+    # stop strings (besides the tokenizer's EOS): a response ends with the token completing one
+    stop: list[str] = field(default_factory=list)
     logprob_mode: LogprobMode = LogprobMode.processed
     seed: int = 0
     num_actors: int = 1
@@ -112,6 +114,9 @@ class RolloutConfig:
         check_range(f"{prefix}.temperature", self.temperature, lo=0.0, lo_open=True)
         check_range(f"{prefix}.top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         check_range(f"{prefix}.top_k", self.top_k, lo=0)
+        stop = self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
+            raise ConfigError(f"{prefix}.stop", stop, "a list of non-empty strings")
         _enum(f"{prefix}.logprob_mode", LogprobMode, self.logprob_mode)
         check_range(f"{prefix}.num_actors", self.num_actors, lo=1)
         check_range(f"{prefix}.batch_size", self.batch_size, lo=1)

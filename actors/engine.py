@@ -19,12 +19,18 @@ class SamplingParams:
 
     ``logprob_mode="processed"`` records log-probs of the distribution actually sampled from (after
     temperature, top-k and top-p); ``"raw"`` records ``log_softmax(logits / temperature)``.
+
+    ``stop``: stop strings, searched in the decoded response (special tokens skipped). The response
+    ends with the token that completed the string and ``finish_reason`` is "stop", exactly as for a
+    stop token: ``response_ids`` and ``logprobs`` always have the same length, and the text after
+    the stop string inside that last token (if any) stays. Engines need the model's tokenizer.
     """
     max_new_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
     seed: int | None = None
     logprob_mode: str = "processed"
 
@@ -34,7 +40,8 @@ class GenerationOutput:
     prompt_ids: list[int]
     response_ids: list[int]
     logprobs: list[float]
-    finish_reason: str            # "stop" (a stop token was generated, and is included) | "length"
+    finish_reason: str            # "stop" (a stop token / the token completing a stop string was
+                                  # generated, and is included) | "length"
     kept_ratio: float             # mean over decode steps of kept / seen tokens (1.0 for dense)
     peak_kv_bytes: int            # most KV bytes stored for this sequence (all layers, K and V)
     trace: list = field(default_factory=list, repr=False)  # compression events when traced

@@ -65,8 +65,8 @@ class RolloutActor:
         return SamplingParams(max_new_tokens=c.max_new_tokens,
                               temperature=0.0 if greedy else c.temperature, top_p=c.top_p,
                               top_k=c.top_k, stop_token_ids=() if eos is None else (int(eos),),
-                              seed=seed, logprob_mode=getattr(c.logprob_mode, "value",
-                                                              c.logprob_mode))
+                              stop=tuple(c.stop), seed=seed,
+                              logprob_mode=getattr(c.logprob_mode, "value", c.logprob_mode))
 
     def _dense_engine(self):
         """A dense-KV engine over the same model (shared weights) for evaluation.

@@ -88,6 +88,25 @@ def test_stop_token_kept_and_seeded(dense):
         [o.response_ids for o in dense.generate(PROMPTS, p)]
 
 
+def test_stop_strings_match_native(dense, native):
+    """vLLM's own stop-string check (incremental detokenization) and the native engine's tail
+    decoding end every row at the same token, with log-probs for every kept token."""
+    from common.modeling import load_tokenizer
+
+    tok = load_tokenizer(dense.model_path)
+    full = native.generate(PROMPTS, greedy(24))
+    ref = full[0].response_ids
+    stop = tok.decode(ref[8:10], skip_special_tokens=True)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, stop=(stop, "\x7f\x7f"))
+    v, n = dense.generate(PROMPTS, params), native.generate(PROMPTS, params)
+    assert n[0].finish_reason == "stop" and len(n[0].response_ids) <= 10
+    for a, b in zip(v, n):
+        assert a.response_ids == b.response_ids
+        assert a.finish_reason == b.finish_reason
+        assert len(a.logprobs) == len(a.response_ids)
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < LOGP_TOL
+
+
 def test_reload_changes_output_and_restores_exactly(dense, model_dir):
     from common.modeling import checksum, load_model
 

@@ -11,7 +11,9 @@ One call to ``generate`` runs the prompts in batches of ``batch_size``. Per batc
    (``n == budget + compress_every``) is first compressed to ``budget`` tokens by its KV policy, so
    compression happens every ``compress_every`` decode steps and no row stores more than
    ``budget + compress_every`` tokens per layer. Rows that emit a stop token or reach
-   ``max_new_tokens`` leave the batch at once (the cache rows are dropped).
+   ``max_new_tokens`` leave the batch at once (the cache rows are dropped). Stop strings
+   (``SamplingParams.stop``) are matched by decoding each row's tail (``stops.py``): the token that
+   completes one ends the row like a stop token (kept, finish_reason "stop").
 3. Continuous batching: at most ``batch_size`` rows decode together; once half of them have left,
    waiting prompts are prefilled (step 1) and their rows are appended to the running batch.
 
@@ -28,7 +30,7 @@ seed and ``batch_size`` give the same samples.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -38,11 +40,16 @@ from actors.native import policies
 from actors.native.kvcache import KVStore
 from actors.native.model import Decoder, attend
 from actors.native.sampling import sample
+from actors.native.stops import StopMatcher, tokenizer_decoder
 
 
 class NativeEngine:
-    def __init__(self, model, kv: KVConfig | None = None, batch_size: int = 64, trace: bool = False):
+    def __init__(self, model, kv: KVConfig | None = None, batch_size: int = 64, trace: bool = False,
+                 decode: Callable[[list[int]], str] | None = None):
         self.model = model
+        # ids -> text, only for stop strings; default: the tokenizer saved with the model's weights
+        # (HF records the directory in ``name_or_path``), loaded the first time a stop string is used
+        self.decode = decode
         self.dec = Decoder(model)
         self.kv = kv or KVConfig()
         self.kv.validate("rollout.kv")
@@ -62,7 +69,7 @@ class NativeEngine:
         model = load_model(model_path, dtype=dtype)
         if torch.cuda.is_available():
             model = model.to("cuda")
-        return cls(model, cfg.kv, cfg.batch_size)
+        return cls(model, cfg.kv, cfg.batch_size, decode=tokenizer_decoder(model_path))
 
     # ---- weights -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -92,7 +99,7 @@ class NativeEngine:
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=dev).manual_seed(int(params.seed))
-        st = _BatchState(prompts, params.max_new_tokens, dev, self.trace)
+        st = _BatchState(prompts, params.max_new_tokens, dev, self.trace, self._stops(params))
         if not prompts or params.max_new_tokens <= 0:
             return st.outputs(0)
         cap = self._capacity(max(len(p) for p in prompts), params.max_new_tokens)
@@ -135,6 +142,20 @@ class NativeEngine:
                            "tokens": sum(len(o.response_ids) for o in outs),
                            "time_s": time.perf_counter() - t0}
         return outs
+
+    def _stops(self, params: SamplingParams) -> StopMatcher | None:
+        stops = tuple(params.stop or ())
+        if not stops:
+            return None
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ValueError(f"native engine: stop strings must be non-empty strings, got {stops!r}")
+        if self.decode is None:
+            path = getattr(self.model, "name_or_path", "")
+            if not path:
+                raise ValueError("native engine: stop strings need a tokenizer; pass "
+                                 "NativeEngine(..., decode=ids -> text)")
+            self.decode = tokenizer_decoder(path)
+        return StopMatcher(stops, self.decode)
 
     @property
     def bytes_per_token(self) -> int:
@@ -248,8 +269,9 @@ class _BatchState:
     log-probs on the device (read back once at the end); counts, kept ratio and peak KV on the host
     (they follow from host-side slot counts). ``ids`` lists the prompt index of each live row."""
 
-    def __init__(self, prompts, max_new: int, device, trace: bool):
-        self.prompts, self.max_new, self.device = prompts, max_new, device
+    def __init__(self, prompts, max_new: int, device, trace: bool,
+                 stops: StopMatcher | None = None):
+        self.prompts, self.max_new, self.device, self.stops = prompts, max_new, device, stops
         b = len(prompts)
         self.ids = torch.zeros(0, dtype=torch.long)
         self.ids_d = self.ids.to(device)
@@ -274,6 +296,9 @@ class _BatchState:
         self.logps[self.ids_d, c_d] = lp.float()
         self.count[self.ids] = c + 1
         is_stop = torch.isin(tok, stop)
+        if self.stops is not None:
+            hit = self.stops.hits(self.ids.tolist(), tok.tolist())
+            is_stop = is_stop | torch.tensor(hit, device=is_stop.device)
         self.stopped[self.ids_d] = is_stop
         return ~is_stop.cpu() & (c + 1 < self.max_new)
 

@@ -10,6 +10,11 @@ sliding-window KV cache (``rollout.kv.policy=streaming``).
   ``seed * 1000003 + i`` (equal prompts must not share a seed, or the G samples of a group coincide).
   Generation stops only at ``stop_token_ids`` (the stop token is kept, finish_reason "stop") or at
   ``max_new_tokens`` ("length"); the model's own EOS is ignored unless listed, as in the native engine.
+  Stop strings (``SamplingParams.stop``) go to vLLM's own stop-string check, which detokenizes
+  incrementally (so the engine loads the model's tokenizer; requests without stop strings are not
+  detokenized): vLLM keeps the token that completed the string in ``token_ids`` and its log-prob,
+  finish_reason "stop", as the native engine does. Only the detokenized *text* is cut at the string,
+  and the engine returns ids, not text.
 * KV: ``peak_kv_bytes`` is measured, not estimated: after every scheduling step the engine counts the
   KV blocks each request holds in vLLM's KV manager (blocks freed by the sliding window excluded), so
   it is block-granular (``block_size`` tokens). ``kept_ratio`` is computed as the native engine
@@ -102,7 +107,7 @@ class VLLMEngine:
             kv_cache_bytes = self._pool_bytes(int(max_model_len), block_size)
 
         kwargs = dict(
-            model=self.model_path, tokenizer=self.model_path, skip_tokenizer_init=True,
+            model=self.model_path, tokenizer=self.model_path, skip_tokenizer_init=False,
             dtype={torch.float32: "float32", torch.bfloat16: "bfloat16",
                    torch.float16: "float16"}[self.dtype],
             seed=int(seed), max_num_seqs=self.batch_size, kv_cache_memory_bytes=int(kv_cache_bytes),
@@ -131,7 +136,7 @@ class VLLMEngine:
         return VSP(max_tokens=int(params.max_new_tokens), temperature=float(params.temperature),
                    top_p=float(params.top_p), top_k=int(params.top_k), seed=seed, logprobs=0,
                    stop_token_ids=[int(t) for t in params.stop_token_ids], ignore_eos=True,
-                   detokenize=False)
+                   stop=list(params.stop) or None, detokenize=bool(params.stop))
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
