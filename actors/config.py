@@ -101,6 +101,12 @@ class RolloutConfig:
     batch_size: int = 64                  # sequences generated together by one engine call
     dtype: Dtype = Dtype.float32
     kv: KVConfig = field(default_factory=KVConfig)
+    # Also record pi_dense^v, the dense teacher-forced log-probs of each sample under the weights
+    # that generated it (row key ``dense_sampler_logprobs``), for the staleness split
+    # (``correction.staleness.enabled``). Costs one dense forward over prompt + response per
+    # sample, in forwards of ``dense_micro_batch`` rows; off unless the split needs it.
+    dense_logprobs: bool = False
+    dense_micro_batch: int = 16
 
     def __post_init__(self) -> None:
         _coerce(self, "rollout", {"engine": EngineKind, "logprob_mode": LogprobMode, "dtype": Dtype})
@@ -121,8 +127,13 @@ class RolloutConfig:
         check_range(f"{prefix}.num_actors", self.num_actors, lo=1)
         check_range(f"{prefix}.batch_size", self.batch_size, lo=1)
         _enum(f"{prefix}.dtype", Dtype, self.dtype)
+        check_range(f"{prefix}.dense_micro_batch", self.dense_micro_batch, lo=1)
         self.kv.validate(f"{prefix}.kv")
         if _enum(f"{prefix}.engine", EngineKind, self.engine) == EngineKind.vllm:
+            if self.dense_logprobs:  # the vLLM engine exposes no teacher-forced dense forward
+                raise ConfigError(f"{prefix}.dense_logprobs", self.dense_logprobs,
+                                  f"false with {prefix}.engine=vllm (dense sampler log-probs "
+                                  "need the native engine)")
             # Refuse score-based policies at config load, not minutes later in an actor.
             from actors.vllm.kv import check_policy  # imports no vLLM
 

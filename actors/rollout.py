@@ -110,6 +110,7 @@ class RolloutActor:
         policy = KVPolicy(kv.policy).value
         budget = 0 if policy == KVPolicy.dense.value else int(kv.budget)   # 0: unbounded (dense)
         tag = f"b{batch}" if batch is not None else f"c{self._calls - 1}"
+        dense = self._dense_sampler_logprobs(outs) if self.cfg.dense_logprobs else None
         rows = []
         for j, out in enumerate(outs):
             prob = problems[j // g]
@@ -124,7 +125,20 @@ class RolloutActor:
                 "response_len": len(out.response_ids), "finish_reason": out.finish_reason,
                 "gen_time_s": elapsed / max(1, len(outs)), "logprob_mode": params.logprob_mode,
             })
+            if dense is not None:
+                rows[-1]["dense_sampler_logprobs"] = dense[j]
         return rows
+
+    def _dense_sampler_logprobs(self, outs) -> list[list[float]]:
+        """pi_dense^v: teacher-forced dense log-probs of each response under the weights that just
+        generated it (the scorer's code and temperature, so they compare with ``old_logprobs``).
+        Runs right after generation, before any ``sync_weights`` can swap the weights."""
+        from actors.scorer import dense_logprobs, pad_id_of
+
+        model = self.engine.model
+        return dense_logprobs(model, [list(o.prompt_ids) for o in outs],
+                              [list(o.response_ids) for o in outs], float(self.cfg.temperature),
+                              pad_id_of(model), int(self.cfg.dense_micro_batch))
 
     def evaluate(self, problems, greedy: bool = True, dense: bool = True) -> dict:
         """One sample per problem (greedy, or sampled at the rollout temperature), decoded with a

@@ -43,6 +43,46 @@ def _rows(batch: pa.RecordBatch | pa.Table) -> tuple[list[str], list[list[int]],
     return ids, prompts, responses
 
 
+def pad_id_of(model) -> int:
+    """The model config's pad token id (0 when it has none): fills the padded positions."""
+    pad = getattr(model.config, "pad_token_id", None)
+    return int(pad) if pad is not None else 0
+
+
+@torch.no_grad()
+def dense_logprobs(model, prompts: list[list[int]], responses: list[list[int]],
+                   temperature: float, pad_id: int, micro_batch: int) -> list[list[float]]:
+    """Dense teacher-forced log-probs of every response token, one list per row, in row order.
+
+    ``common.modeling.token_logprobs`` over prompt + response at ``temperature`` (the scorer's
+    old log-probs; the rollout actor's ``dense_sampler_logprobs`` at its own weights). Rows are
+    grouped by length into forwards of ``micro_batch`` rows so padding stays small; the order is
+    restored afterwards. Every prompt must be non-empty.
+    """
+    out: list[list[float] | None] = [None] * len(prompts)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(responses[i]))
+    for start in range(0, len(order), micro_batch):
+        chunk = order[start:start + micro_batch]
+        for i, lp in zip(chunk, _score_rows(model, [prompts[i] for i in chunk],
+                                            [responses[i] for i in chunk], temperature, pad_id)):
+            out[i] = lp
+    return out
+
+
+def _score_rows(model, prompts: list[list[int]], responses: list[list[int]], temperature: float,
+                pad_id: int) -> list[list[float]]:
+    device = next(model.parameters()).device
+    lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    t = max(lens)
+    input_ids = torch.full((len(lens), t), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(lens), t), dtype=torch.long)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[b, :lens[b]] = torch.tensor(p + r, dtype=torch.long)
+        attn[b, :lens[b]] = 1
+    logp = token_logprobs(model, input_ids.to(device), attn.to(device), temperature).float().cpu()
+    return [logp[b, len(p):lens[b]].tolist() for b, p in enumerate(prompts)]
+
+
 class ScorerActor:
     """Dense teacher-forced scorer. ``cfg`` needs ``micro_batch`` (rows per forward) and
     optionally ``dtype`` ("float32" | "bfloat16")."""
@@ -55,42 +95,21 @@ class ScorerActor:
         self.micro_batch = int(cfg.micro_batch)
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         self.model = load_model(model_path, dtype=_dtype(cfg)).to(self.device)
-        pad = getattr(self.model.config, "pad_token_id", None)
-        self.pad_id = int(pad) if pad is not None else 0
+        self.pad_id = pad_id_of(self.model)
         self.version = 0
         self._receiver = None
 
     # ---- scoring ----------------------------------------------------------------------------
 
-    @torch.no_grad()
     def score(self, batch: pa.RecordBatch | pa.Table) -> tuple[list[str], list[list[float]]]:
         """Log-probs of every response token given its prompt and preceding response tokens.
 
         Returns (sample_ids, old_logprobs) in the batch's row order; ``old_logprobs[i]`` has one
-        float per response token of row i. Rows are grouped by length into micro-batches so padding
-        stays small; the order is restored afterwards.
+        float per response token of row i (see ``dense_logprobs``).
         """
         ids, prompts, responses = _rows(batch)
-        out: list[list[float] | None] = [None] * len(ids)
-        order = sorted(range(len(ids)), key=lambda i: len(prompts[i]) + len(responses[i]))
-        for start in range(0, len(order), self.micro_batch):
-            chunk = order[start:start + self.micro_batch]
-            for i, lp in zip(chunk, self._score_rows([prompts[i] for i in chunk],
-                                                      [responses[i] for i in chunk])):
-                out[i] = lp
-        return ids, out
-
-    def _score_rows(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
-        lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
-        t = max(lens)
-        input_ids = torch.full((len(lens), t), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((len(lens), t), dtype=torch.long)
-        for b, (p, r) in enumerate(zip(prompts, responses)):
-            input_ids[b, :lens[b]] = torch.tensor(p + r, dtype=torch.long)
-            attn[b, :lens[b]] = 1
-        logp = token_logprobs(self.model, input_ids.to(self.device), attn.to(self.device),
-                              self.temperature).float().cpu()
-        return [logp[b, len(p):lens[b]].tolist() for b, p in enumerate(prompts)]
+        return ids, dense_logprobs(self.model, prompts, responses, self.temperature, self.pad_id,
+                                   self.micro_batch)
 
     # ---- weights ----------------------------------------------------------------------------
 
@@ -99,13 +118,17 @@ class ScorerActor:
 
         return weight_spec(self.model)
 
-    def init_weight_sync(self, host: str, port: int, rank: int, world_size: int) -> None:
-        """Join the weight-sync group as ``rank`` (a collective with the learner and other actors)."""
+    def init_weight_sync(self, host: str, port: int, rank: int, world_size: int,
+                         timeout_s: float = 300.0) -> None:
+        """Join the weight-sync group as ``rank`` (a collective with the learner and other actors);
+        ``timeout_s`` bounds the join and every later ``sync_weights``, so a dead peer is an error."""
         from cluster.weight_sync import WeightReceiver
 
         if self._receiver is not None:  # re-forming (actor restart / pool resize): leave the old one
             self._receiver.close()
-        self._receiver = WeightReceiver(host, port, rank, world_size, self.weight_spec())
+            self._receiver = None  # a failed join below must not leave a closed receiver behind
+        self._receiver = WeightReceiver(host, port, rank, world_size, self.weight_spec(),
+                                        timeout_s=float(timeout_s))
 
     def sync_weights(self) -> int:
         """Receive one broadcast (a collective with the learner's send), load it, return the version.

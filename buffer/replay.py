@@ -27,7 +27,7 @@ from buffer.errors import BufferFull
 from buffer.index import Group, RecentIds, Row, take_rows
 from buffer.pods import max_variance_subset
 from buffer.schema import (LOG_SCHEMA, SCHEMA, STATE_BY_LABEL, State, _lp_array, log_batch,
-                           normalize_batch, rows_to_batch)
+                           normalize_batch, rows_to_batch, upgrade)
 from buffer.storage import SegmentStore
 
 _LIVE = (State.GENERATED, State.SCORED)
@@ -356,7 +356,8 @@ class ReplayBuffer:
     def _recover(self) -> None:
         expected = {"data": SCHEMA, "log": LOG_SCHEMA}
         for seg, batch in self._store.scan():
-            if not batch.schema.equals(expected[seg.kind]):
+            batch = upgrade(batch, expected[seg.kind])   # older segments: added columns as nulls
+            if batch is None:
                 self._store.files.pop(seg.seq, None)
                 self._store.quarantine(seg.path, f"schema differs from buffer.schema ({seg.kind})")
                 continue

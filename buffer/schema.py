@@ -42,6 +42,9 @@ SCHEMA = pa.schema([
     pa.field("logprob_mode", pa.string(), nullable=False),
     pa.field("state", pa.string(), nullable=False),
     pa.field("created_at", pa.float64(), nullable=False),   # unix time of append (extra)
+    # pi_dense^v: dense log-probs under the sampler's own weights (rollout.dense_logprobs), for
+    # the staleness split; null when not computed. Last, so older segments are a prefix (upgrade).
+    pa.field("dense_sampler_logprobs", LP),
 ])
 
 LOG_SCHEMA = pa.schema([
@@ -150,7 +153,7 @@ def _check_lengths(b: pa.RecordBatch) -> None:
                b.column("prompt_len")),
               ("response_len", resp, b.column("response_len")),
               ("sampler_logprobs", pc.list_value_length(b.column("sampler_logprobs")), resp)]
-    for col in ("old_logprobs", "ref_logprobs"):
+    for col in ("old_logprobs", "ref_logprobs", "dense_sampler_logprobs"):
         if b.column(col).null_count < b.num_rows:
             checks.append((col, pc.list_value_length(b.column(col)), resp))
     for name, got, want in checks:
@@ -159,6 +162,28 @@ def _check_lengths(b: pa.RecordBatch) -> None:
             ids = pc.filter(b.column("sample_id"), bad).to_pylist()[:5]
             raise ValueError(f"buffer rows: '{name}' length disagrees with the token lists "
                              f"for sample_ids {ids}")
+
+
+def upgrade(batch: pa.RecordBatch, schema: pa.Schema = SCHEMA) -> pa.RecordBatch | None:
+    """A stored batch in ``schema`` if it is one written before nullable columns were added
+    (its fields are ``schema``'s, in order, minus some nullable ones: those become nulls);
+    None if it differs in any other way. Keeps old buffer segments readable."""
+    if batch.schema.equals(schema):
+        return batch
+    have = {f.name: f for f in batch.schema}
+    if list(have) != [n for n in schema.names if n in have]:
+        return None
+    cols = []
+    for f in schema:
+        if f.name in have:
+            if not have[f.name].equals(f):
+                return None
+            cols.append(batch.column(f.name))
+        elif f.nullable:
+            cols.append(pa.nulls(batch.num_rows, f.type))
+        else:
+            return None
+    return pa.RecordBatch.from_arrays(cols, schema=schema)
 
 
 def log_batch(sample_ids: Sequence[str], state: State | Sequence[State], old_logprobs=None,

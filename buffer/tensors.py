@@ -17,6 +17,11 @@ import pyarrow.compute as pc
 import torch
 
 
+# Columns a producer may fill for some rows only (e.g. rows from before rollout.dense_logprobs
+# was turned on): the key is given only when every row has them, never an error.
+_OPTIONAL = ("dense_sampler_logprobs",)
+
+
 def _as_batch(batch: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
     if isinstance(batch, pa.Table):
         t = batch.combine_chunks()
@@ -50,8 +55,11 @@ def to_tensors(batch: pa.RecordBatch | pa.Table, pad_id: int) -> dict[str, torch
     Keys: input_ids [B,T] int64; attention_mask, response_mask [B,T] int64 0/1 (HF style);
     sampler_logprobs [B,T] float32,
     old_logprobs [B,T] float32 (only if every row is scored), ref_logprobs [B,T] float32
-    (only if every row has them), rewards [B] float32, group_index [B] int64 (0..n_groups-1
-    in order of first appearance), policy_version [B] int64, prompt_lens/response_lens [B].
+    (only if every row has them), dense_sampler_logprobs [B,T] float32 (pi_dense at the
+    sampler's version; only if every row has them, left out otherwise), rewards [B] float32,
+    group_index [B] int64 (0..n_groups-1 in order of first appearance), policy_version [B]
+    int64, scorer_version [B] int64 (-1 where unscored; when the batch has the column),
+    prompt_lens/response_lens [B].
     """
     b = _as_batch(batch)
     n = b.num_rows
@@ -77,11 +85,14 @@ def to_tensors(batch: pa.RecordBatch | pa.Table, pad_id: int) -> dict[str, torch
         "prompt_lens": plen,
         "response_lens": rlen,
     }
-    for name in ("sampler_logprobs", "old_logprobs", "ref_logprobs"):
+    if "scorer_version" in b.schema.names:
+        out["scorer_version"] = torch.from_numpy(pc.fill_null(b.column("scorer_version"), -1)
+                                                 .to_numpy(zero_copy_only=False).astype(np.int64))
+    for name in ("sampler_logprobs", "old_logprobs", "ref_logprobs", "dense_sampler_logprobs"):
         if name not in b.schema.names:
             continue
         col = b.column(name)
-        if col.null_count == n and n:
+        if (col.null_count == n and n) or (col.null_count and name in _OPTIONAL):
             continue                      # never scored / no reference model: key left out
         if col.null_count:
             raise ValueError(f"to_tensors: column '{name}' is null for {col.null_count} of {n} "

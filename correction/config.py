@@ -144,7 +144,13 @@ class SeqMaskTISConfig:
 class StalenessConfig:
     """Staleness split for asynchronous rollouts (``correction.staleness``), used by
     ``correction.staleness_correct``. At lag l the staleness part u_t is bounded by
-    [lower ** f(l), upper ** f(l)] (see ``LagScaling``); samples with l > max_lag are rejected."""
+    [lower ** f(l), upper ** f(l)] (see ``LagScaling``); samples with l > max_lag are rejected.
+
+    ``enabled``: the learner applies the split to every batch that carries
+    ``dense_sampler_logprobs`` (pi_dense at the sampler's version; needs
+    ``rollout.dense_logprobs=true``); otherwise, and by default, it applies ``correct`` to
+    (sampler, old) log-probs as before."""
+    enabled: bool = False
     max_lag: int = 4
     mode: ISMode = ISMode.TRUNCATE
     lower: float = 0.5

@@ -71,6 +71,14 @@ class TrainConfig:
     def validate(self) -> None:
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate(f.name)
+        # The staleness split needs pi_dense at the sampler's version, which only the rollout
+        # computes (a dense forward per sample): both on, or both off.
+        if self.correction.staleness.enabled != self.rollout.dense_logprobs:
+            want = self.correction.staleness.enabled
+            raise ConfigError("rollout.dense_logprobs", self.rollout.dense_logprobs,
+                              f"{str(want).lower()} when correction.staleness.enabled="
+                              f"{str(want).lower()} (the split needs the rollout's dense "
+                              "log-probs; without it they are a wasted forward)")
 
 
 def _allowed_keys(schema, dotted: str) -> str:

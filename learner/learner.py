@@ -6,7 +6,9 @@ sender (a *separate* group, see ``cluster/weight_sync.py``).
 
 One ``train_step``:
   1. GRPO advantages and the mismatch correction (IS weights + rejection mask) over the whole shard:
-     both normalise over the batch, so they must not be computed per micro-batch;
+     both normalise over the batch, so they must not be computed per micro-batch (with
+     ``correction.staleness.enabled`` and pi_dense at the sampler's version in the batch, the
+     sparsity/staleness split of ``correction.staleness_correct``);
   2. the shard is cut into micro-batches of ``micro_batch_size`` rows; each gets new log-probs
      (``common.modeling.token_logprobs`` at the rollout temperature), the PPO loss and a backward
      with DeepSpeed's accumulation boundary set by hand on the last one, because the number of
@@ -214,17 +216,17 @@ class Learner:
         """One optimiser step on this rank's shard (``buffer.tensors.to_tensors`` layout).
 
         Every rank must call it (collectives inside). Returns float metrics: loss, grad_norm, lr,
-        adv/*, mismatch/*, correction/*, loss/* (kept-token weighted over micro-batches), counts
-        and time; ``version`` after the step.
+        adv/*, mismatch/*, correction/*, staleness/* and sparsity/* (with the staleness split,
+        see ``_correct``), loss/* (kept-token weighted over micro-batches), counts and time;
+        ``version`` after the step.
         """
-        from correction import correct, grpo_advantages
+        from correction import grpo_advantages
 
         t0 = time.time()
         cc = self.correction_cfg
         resp = tensors["response_mask"].bool()
         adv, adv_metrics = grpo_advantages(tensors["rewards"].float(), tensors["group_index"], cc)
-        corr = correct(tensors["sampler_logprobs"].float(), tensors["old_logprobs"].float(),
-                       resp, cc)
+        corr = self._correct(tensors, resp)
         keep = corr.loss_mask > 0
         slices, units, total = self._plan_micro_batches(keep)
         # ``total`` is global, so every rank agrees: with nothing kept anywhere there is no
@@ -255,6 +257,33 @@ class Learner:
             "learner/rows": float(resp.shape[0]), "learner/response_tokens": float(resp.sum()),
             "learner/kept_tokens": float(keep.sum()), "time/train_s": time.time() - t0})
         return metrics
+
+    def _correct(self, tensors: dict, resp: torch.Tensor):
+        """IS weights and loss mask over the whole shard.
+
+        With ``correction.staleness.enabled`` and ``dense_sampler_logprobs`` in the batch: the
+        sparsity/staleness split ``staleness_correct(sampler, dense_sampler, old, ...)`` with lag
+        n - v, v = ``policy_version``, n = ``scorer_version`` (the version ``old_logprobs`` were
+        scored at; the learner's own version where a row has none). ``old_logprobs`` (pi_dense^n)
+        stays the PPO anchor. Otherwise ``correct(sampler, old)``. ``correction/staleness_split``
+        says which (1 / 0).
+        """
+        from correction import correct, staleness_correct
+
+        cc = self.correction_cfg
+        sampler, old = tensors["sampler_logprobs"].float(), tensors["old_logprobs"].float()
+        dense_v = tensors.get("dense_sampler_logprobs")
+        if not (cc.staleness.enabled and dense_v is not None):
+            corr = correct(sampler, old, resp, cc)
+            corr.metrics["correction/staleness_split"] = 0.0
+            return corr
+        v = tensors["policy_version"].long()
+        n = tensors.get("scorer_version")
+        n = torch.full_like(v, self.version) if n is None else \
+            torch.where(n.long() >= 0, n.long(), torch.full_like(v, self.version))
+        corr = staleness_correct(sampler, dense_v.float(), old, resp, v, n, cc)
+        corr.metrics["correction/staleness_split"] = 1.0
+        return corr
 
     def _plan_micro_batches(self, keep: torch.Tensor):
         """Row slices, each slice's loss units (kept tokens or sequences) and the global total.
