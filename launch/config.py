@@ -46,6 +46,8 @@ class RunConfig:
     eval_every: int = 0             # also evaluate every N steps (0: only before and after)
     log_every: int = 1
     mode: RunMode = RunMode.sync
+    checkpoint_every: int = 0       # checkpoint every N steps and after the last (0: only on SIGTERM)
+    checkpoint_keep: int = 2        # newest checkpoints kept (0: all)
 
     def validate(self, prefix: str = "run") -> None:
         if not self.name or "/" in self.name:
@@ -55,6 +57,8 @@ class RunConfig:
         check_range(f"{prefix}.eval_problems", self.eval_problems, 0)
         check_range(f"{prefix}.eval_every", self.eval_every, 0)
         check_range(f"{prefix}.log_every", self.log_every, 1)
+        check_range(f"{prefix}.checkpoint_every", self.checkpoint_every, 0)
+        check_range(f"{prefix}.checkpoint_keep", self.checkpoint_keep, 0)
 
 
 @dataclass

@@ -20,7 +20,7 @@ class PromptSampler:
         if not problems:
             raise ValueError("the task has no training problems (task.n_train?)")
         self.problems, self.per_step, self.seed = problems, per_step, seed
-        self.epoch, self.index = 0, 0
+        self.epoch, self.index, self.drawn = 0, 0, 0   # drawn: batches handed out so far
         self._order = self._shuffle(0)
 
     def _shuffle(self, epoch: int) -> list[int]:
@@ -36,10 +36,20 @@ class PromptSampler:
                 self._order = self._shuffle(self.epoch)
             out.append(self.problems[self._order[self.index]])
             self.index += 1
+        self.drawn += 1
         return out
 
     def position(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
+        return {"epoch": self.epoch, "index": self.index, "drawn": self.drawn}
+
+    def restore(self, position: dict) -> None:
+        """Continue from a ``position()`` (a checkpoint's): the same batches follow."""
+        epoch, index = int(position["epoch"]), int(position["index"])
+        if not 0 <= index <= len(self.problems):
+            raise ValueError(f"sampler position index {index} is outside the {len(self.problems)} "
+                             "training problems: the checkpoint comes from another task config")
+        self.epoch, self.index, self.drawn = epoch, index, int(position["drawn"])
+        self._order = self._shuffle(epoch)
 
 
 def split(items, n: int) -> list:
@@ -82,6 +92,13 @@ def launch(actors: list, method: str, items: list, *args) -> list:
             for a, chunk in zip(actors, split(items, len(actors))) if chunk]
 
 
+def launch_rollouts(actors: list, sampler: PromptSampler, version: int) -> list:
+    """The sampler's next prompts to the rollout actors, tagged with the batch number, which seeds
+    the sampling and names the samples (so a resumed run draws the very same ones)."""
+    problems = sampler.next()
+    return launch(actors, "rollout", problems, version, sampler.drawn)
+
+
 def gather(refs: list) -> list:
     """Wait for ``launch``'s calls; their result lists, concatenated in actor order."""
     import ray
@@ -114,13 +131,20 @@ def evaluate(rollout_actors: list, problems: list, greedy: bool) -> float:
 
 
 class MetricsLog:
-    """One JSON object per line in ``run_dir/metrics.jsonl`` and a short line on stdout."""
+    """One JSON object per line in ``run_dir/metrics.jsonl`` and a short line on stdout; which
+    samples each step trained on, and at which version, in ``run_dir/trained_samples.jsonl``."""
 
     def __init__(self, run_dir: Path):
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         self._f = self.path.open("a")
+        self._trained = (run_dir / "trained_samples.jsonl").open("a")
         self.t0 = time.time()
+
+    def trained(self, step: int, version: int, sample_ids: list[str]) -> None:
+        self._trained.write(json.dumps({"step": step, "version": version,
+                                        "sample_ids": sample_ids}) + "\n")
+        self._trained.flush()
 
     def write(self, record: dict, show: tuple[str, ...] = ()) -> None:
         record = {"time_s": round(time.time() - self.t0, 2), **record}
@@ -132,6 +156,7 @@ class MetricsLog:
 
     def close(self) -> None:
         self._f.close()
+        self._trained.close()
 
 
 def _fmt(v) -> str:

@@ -1,12 +1,14 @@
 """sparse-rl training, the whole data flow from top to bottom.
 
     python launch/train.py [--config launch/configs/X.yaml] [key=value ...]
+    python launch/train.py resume=runs/<run>[/checkpoints/step-N] [key=value ...]
     ray job submit --working-dir . -- python launch/train.py cluster.address=auto
 
 Each step: rollout actors generate G samples per prompt with a compressed KV cache and record the
 sampler's log-probs -> rows go into the Arrow buffer -> dense scorer actors fill in old-policy log-probs
 -> the learner corrects the sparse/dense mismatch (rejection sampling + importance weights), takes a
 GRPO/PPO step -> learner rank 0 broadcasts the new weights to every rollout and scorer actor.
+Checkpoints (every run.checkpoint_every steps, after the last, on SIGTERM) resume exactly.
 """
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ from pathlib import Path
 
 def main(argv: list[str]) -> dict:
     # 1. Config: merged and validated before anything starts (a bad key stops here, naming it).
+    # resume=DIR starts from the checkpoint's own config; command-line keys still win.
     from common.errors import ConfigError
-    from launch.config import RunMode, load_config, to_yaml
+    from launch import checkpoint
+    from launch.config import RunMode, to_yaml
 
-    cfg = load_config(argv)
+    cfg, ckpt = checkpoint.load_run_config(argv)
     if not (Path(cfg.rollout.model_path) / "config.json").is_file():
         raise ConfigError("rollout.model_path", cfg.rollout.model_path,
                           "an HF model directory with config.json (`make model` builds the tiny base)")
@@ -36,8 +40,8 @@ def main(argv: list[str]) -> dict:
     from cluster.pools import broadcast_weights, build_pools, connect_weight_sync
     from cluster.ray_setup import start_ray
     from common.modeling import load_tokenizer
-    from launch.steps import (MetricsLog, PromptSampler, batch_metrics, evaluate, gather, launch,
-                              split_groups, split_rows)
+    from launch.steps import (MetricsLog, PromptSampler, batch_metrics, evaluate, gather,
+                              launch_rollouts, split_groups, split_rows)
     from tasks import make_task
 
     torch.manual_seed(cfg.run.seed)
@@ -54,22 +58,27 @@ def main(argv: list[str]) -> dict:
     # 3. Ray (in-process on 127.0.0.1 unless cluster.address is set) and the actor pools.
     ray = start_ray(cfg.cluster, run_dir)
     pools = build_pools(cfg, str(run_dir))
+    stop = checkpoint.StopRequest()  # SIGTERM: checkpoint after the current step, then exit
 
-    # 4. One broadcast group, separate from DeepSpeed's: learner rank 0 -> rollout + scorer actors.
+    # 4. Resuming: learners (weights, optimiser, RNG), buffer rows and data position come back.
+    # Then one broadcast group, separate from DeepSpeed's: learner rank 0 -> rollout + scorer actors.
+    state = checkpoint.restore(ckpt, pools, sampler) if ckpt else {"step": 0}
     connect_weight_sync(pools, cfg)
     version, sync = broadcast_weights(pools)  # everyone starts from the learner's exact weights
-    log.write({"step": 0, "version": version, **sync})
+    log.write({"step": state["step"], "version": version, **sync, "resumed_from": str(ckpt or "")})
 
-    # 5. Held-out accuracy before RL.
-    acc_before = evaluate(pools.rollout, heldout, cfg.run.eval_greedy)
-    print(f"[eval] step 0: held-out accuracy {acc_before:.3f} on {len(heldout)} problems", flush=True)
-    log.write({"step": 0, "eval/accuracy": acc_before})
+    # 5. Held-out accuracy before RL (a resumed run keeps the first run's).
+    acc_before = state.get("accuracy_before")
+    if acc_before is None:
+        acc_before = evaluate(pools.rollout, heldout, cfg.run.eval_greedy)
+        print(f"[eval] step 0: held-out accuracy {acc_before:.3f} on {len(heldout)} problems")
+        log.write({"step": 0, "eval/accuracy": acc_before})
 
     # 6. RL steps. sync: generate, then train. async: the next rollouts are launched before training
     # on the current batch, so generation overlaps the learner step (samples lag one version).
     overlap = cfg.run.mode == RunMode.async_
-    in_flight = launch(pools.rollout, "rollout", sampler.next(), version)
-    for step in range(1, cfg.run.steps + 1):
+    in_flight = [] if state.get("next_batch_in_buffer") else launch_rollouts(pools.rollout, sampler, version)
+    for step in range(state["step"] + 1, cfg.run.steps + 1):
         t0 = time.time()
         # 6a. Sparse rollouts: G samples per prompt, sampler log-probs, rewards, policy version.
         rows = gather(in_flight)
@@ -77,7 +86,7 @@ def main(argv: list[str]) -> dict:
         t_roll = time.time() - t0
 
         # 6b. Dense scorer: old-policy log-probs for every row waiting for them.
-        pending = ray.get(pools.buffer.pending_scoring.remote(len(rows)))
+        pending = ray.get(pools.buffer.pending_scoring.remote(cfg.buffer.capacity))
         for ids, old in ray.get([s.score.remote(part) for s, part in
                                  zip(pools.scorer, split_rows(pending, len(pools.scorer)))]):
             ray.get(pools.buffer.set_scores.remote(ids, old, version))
@@ -89,18 +98,19 @@ def main(argv: list[str]) -> dict:
         shards = [to_tensors(b, pad_id) for b in split_groups(batch, len(pools.learners))]
         more = step < cfg.run.steps
         if overlap and more:  # async: the next rollouts start now, with the current weights
-            in_flight = launch(pools.rollout, "rollout", sampler.next(), version)
+            in_flight = launch_rollouts(pools.rollout, sampler, version)
 
         # 6d. Correction + GRPO/PPO step on every data-parallel learner (DeepSpeed all-reduces).
         metrics = ray.get([lrn.train_step.remote(sh, cfg.rollout.temperature)
                            for lrn, sh in zip(pools.learners, shards)])[0]
-        ray.get(pools.buffer.mark_consumed.remote(batch.column("sample_id").to_pylist()))
+        trained = batch.column("sample_id").to_pylist()
+        ray.get(pools.buffer.mark_consumed.remote(trained))
 
         # 6e. New weights to every rollout and scorer actor, between generation batches (in async
         # mode the actors take them once their in-flight rollouts finish).
         version, sync = broadcast_weights(pools)
         if not overlap and more:
-            in_flight = launch(pools.rollout, "rollout", sampler.next(), version)
+            in_flight = launch_rollouts(pools.rollout, sampler, version)
 
         # 6f. Metrics: reward, mismatch and correction statistics, timings.
         record = {"step": step, "version": version, **batch_metrics(batch, version),
@@ -110,6 +120,19 @@ def main(argv: list[str]) -> dict:
             record["eval/accuracy"] = evaluate(pools.rollout, heldout, cfg.run.eval_greedy)
         show = ("step", "reward", "response_len", "kept_ratio", "loss", "eval/accuracy", "time/step_s")
         log.write(record, show=show if step % cfg.run.log_every == 0 else ())
+        log.trained(step, version, trained)
+
+        # 6g. Checkpoint (every N steps, after the last, on SIGTERM). Rollouts in flight land in
+        # the buffer first, so the checkpoint holds them and a resumed run trains on the same rows.
+        if stop or checkpoint.due(cfg.run, step):
+            ray.get(pools.buffer.append.remote(gather(in_flight)))
+            ckpt = checkpoint.save(run_dir, cfg, pools, step=step, version=version, sampler=sampler,
+                                   accuracy_before=acc_before, next_batch_in_buffer=bool(in_flight))
+            in_flight = []
+        if stop:  # the checkpoint is this run's result; exit code 143 (128 + SIGTERM)
+            print(f"stopped by {stop.signal} after step {step}; resume={ckpt}", flush=True)
+            log.close(), ray.shutdown()
+            return {"stopped": stop.signal, "step": step, "version": version, "checkpoint": str(ckpt)}
 
     # 7. Held-out accuracy after RL, the trained model in HF format, and the summary.
     acc_after = evaluate(pools.rollout, heldout, cfg.run.eval_greedy)
@@ -130,7 +153,7 @@ if __name__ == "__main__":
     from common.errors import ConfigError, DataError
 
     try:
-        main(sys.argv[1:])
+        sys.exit(143 if main(sys.argv[1:]).get("stopped") else 0)
     except (ConfigError, DataError) as err:  # bad input: one clear line, no traceback
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -1,4 +1,6 @@
 """Driver-side helpers: deterministic prompt order with a resumable position, even splits."""
+import pytest
+
 from launch.steps import PromptSampler, split
 
 
@@ -9,7 +11,12 @@ def test_sampler_is_deterministic_and_covers_epoch():
     assert first == b.next() + b.next()
     rest = a.next()  # crosses into epoch 1
     assert sorted(first + rest[:2]) == items
-    assert a.position() == {"epoch": 1, "index": 2}
+    assert a.position() == {"epoch": 1, "index": 2, "drawn": 3}
+    c = PromptSampler(items, 4, seed=3)
+    c.restore(a.position())  # a resumed run continues with the very same batches
+    assert [c.next() for _ in range(4)] == [a.next() for _ in range(4)] and c.drawn == a.drawn == 7
+    with pytest.raises(ValueError, match="outside"):
+        c.restore({"epoch": 0, "index": 11, "drawn": 1})
     assert PromptSampler(items, 4, seed=4).next() != PromptSampler(items, 4, seed=3).next()
 
 

@@ -7,45 +7,27 @@ sampler and old log-probs of equal length, and metrics and the HF model were wri
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import SMALL_JOB, train_env
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("model") / "tiny"
-    subprocess.run([sys.executable, str(REPO / "launch/make_base_model.py"), "--out", str(out),
-                    "--max-steps", "40", "--eval-every", "40", "--n-eval", "4", "--hidden", "64",
-                    "--layers", "2", "--n-train", "256", "--n-heldout", "8"],
-                   check=True, cwd=REPO, capture_output=True, text=True)
-    return out
-
-
 def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HOME": str(tmp_path),
-           "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions")}
-    return subprocess.run([sys.executable, "launch/train.py", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "launch/train.py", *args], cwd=REPO,
+                          env=train_env(tmp_path), capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_train_runs_end_to_end(tiny_model, tmp_path, mode):
     steps = 3
-    proc = _run([f"run.mode={mode}", f"rollout.model_path={tiny_model}", f"run.steps={steps}", "run.eval_problems=8",
-                 "run.prompts_per_step=4", "rollout.samples_per_prompt=4",
-                 "rollout.max_new_tokens=24", "rollout.kv.budget=16", "rollout.kv.compress_every=4",
-                 "scorer.num_actors=1", "rollout.num_actors=2",
-                 # An entropy bonus moves the weights even when every reward of an untrained
-                 # model is 0 (zero advantages).
-                 "correction.loss.entropy_coef=0.01", f"run.out_dir={tmp_path / 'runs'}"],
-                tmp_path)
+    proc = _run([f"run.mode={mode}", f"rollout.model_path={tiny_model}", f"run.steps={steps}",
+                 *SMALL_JOB, f"run.out_dir={tmp_path / 'runs'}"], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("held-out accuracy: ") and " -> " in last

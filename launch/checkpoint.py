@@ -1,0 +1,132 @@
+"""Run checkpoints and exact resume.
+
+``launch/train.py`` writes one every ``run.checkpoint_every`` steps, after the last step and on
+SIGTERM; ``python launch/train.py resume=DIR`` continues from it (DIR: a checkpoint folder, or a run
+folder whose newest checkpoint is taken). A checkpoint ``<run_dir>/checkpoints/step-000010/`` holds
+
+    hf/                 the policy in HF format (safetensors; ``from_pretrained`` loads it)
+    deepspeed/          every learner rank's DeepSpeed state: module, optimiser moments, LR
+                        schedule, ZeRO partitions, the learner's RNG state and its policy version
+    buffer/             the replay buffer's segment files: every row not yet trained on
+    trainer_state.json  step, policy version, the prompt sampler's position, pre-RL accuracy
+    config.yaml         the run's whole config (resume starts from it; command-line keys win)
+
+It is written as ``step-000010.partial`` and renamed when complete, so a run killed while writing
+leaves nothing that resume could mistake for a checkpoint.
+
+Why the continuation is exact: rollouts are seeded by (rollout.seed, actor id, batch number) and
+the batch number is part of the sampler position, the scorer is deterministic, and the learner's
+state is complete. Rollouts already in flight when the checkpoint is taken (the next batch is
+launched before the step ends) are first landed in the buffer, so they are kept, not regenerated.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+from pathlib import Path
+
+from common.errors import ConfigError
+
+STATE_FILE = "trainer_state.json"
+
+
+def load_run_config(argv: list[str]):
+    """``load_config`` for a fresh run, or for ``resume=DIR``: the checkpoint's config.yaml, then
+    any other presets and overrides on the command line. Returns (config, checkpoint or None)."""
+    from launch.config import load_config
+
+    resume = [a for a in argv if a.startswith("resume=")]
+    if not resume:
+        return load_config(argv), None
+    if len(resume) > 1:
+        raise ConfigError("resume", resume, "a single resume=DIR")
+    ckpt = find_checkpoint(resume[0].split("=", 1)[1])
+    rest = [a for a in argv if not a.startswith("resume=")]
+    return load_config(["--config", str(ckpt / "config.yaml"), *rest]), ckpt
+
+
+def find_checkpoint(path: str) -> Path:
+    """A checkpoint folder as given, or the newest complete one under ``path/checkpoints``."""
+    p = Path(path)
+    if (p / STATE_FILE).is_file():
+        return p
+    found = sorted(c for c in (p / "checkpoints").glob("step-*")
+                   if c.is_dir() and (c / STATE_FILE).is_file()) if p.is_dir() else []
+    if not found:
+        raise ConfigError("resume", path, f"a checkpoint folder (with {STATE_FILE}) or a run "
+                                          "folder holding checkpoints/step-*")
+    return found[-1]
+
+
+def due(run_cfg, step: int) -> bool:
+    """Every ``run.checkpoint_every`` steps and after the last one (0: never, except SIGTERM)."""
+    every = run_cfg.checkpoint_every
+    return bool(every) and (step % every == 0 or step == run_cfg.steps)
+
+
+def save(run_dir: Path, cfg, pools, *, step: int, version: int, sampler, accuracy_before: float,
+         next_batch_in_buffer: bool) -> Path:
+    """Write the checkpoint after ``step`` (every learner rank takes part) and prune old ones."""
+    import ray
+
+    from launch.config import to_yaml
+
+    root = Path(run_dir) / "checkpoints"
+    final, part = root / f"step-{step:06d}", root / f"step-{step:06d}.partial"
+    if part.exists():
+        shutil.rmtree(part)
+    part.mkdir(parents=True)
+    ray.get([lrn.save_checkpoint.remote(str(part / "deepspeed")) for lrn in pools.learners])
+    ray.get(pools.learners[0].save_hf.remote(str(part / "hf")))
+    ray.get(pools.buffer.snapshot.remote(str(part / "buffer")))
+    (part / "config.yaml").write_text(to_yaml(cfg))
+    state = {"step": step, "version": version, "sampler": sampler.position(),
+             "accuracy_before": accuracy_before, "next_batch_in_buffer": next_batch_in_buffer}
+    (part / STATE_FILE).write_text(json.dumps(state, indent=2))
+    os.replace(part, final)  # a directory rename: the checkpoint appears whole or not at all
+    _prune(root, cfg.run.checkpoint_keep)
+    return final
+
+
+def restore(ckpt: Path, pools, sampler) -> dict:
+    """Learners (every rank), buffer and prompt position back from ``ckpt``; returns its state.
+    Call before the first weight broadcast, so every actor starts from the restored weights."""
+    import ray
+
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    versions = ray.get([lrn.load_checkpoint.remote(str(ckpt / "deepspeed")) for lrn in pools.learners])
+    if any(v != state["version"] for v in versions):
+        raise RuntimeError(f"{ckpt}: learner checkpoints hold versions {versions}, "
+                           f"{STATE_FILE} says {state['version']}")
+    ray.get(pools.buffer.restore.remote(str(ckpt / "buffer")))
+    sampler.restore(state["sampler"])
+    return state
+
+
+def _prune(root: Path, keep: int) -> None:
+    if keep <= 0:
+        return
+    done = sorted(c for c in root.glob("step-*") if c.is_dir() and (c / STATE_FILE).is_file())
+    for old in done[:-keep]:
+        shutil.rmtree(old)
+
+
+class StopRequest:
+    """Turns SIGTERM (preemption, ``ray job stop``, a pod's termination) into a request the loop
+    checks after each step: it checkpoints and exits instead of dying mid-step. Installed after
+    ``ray.init``, which sets a SIGTERM handler of its own in the driver."""
+
+    def __init__(self, signals=(signal.SIGTERM,)):
+        self.signal: str | None = None
+        if threading.current_thread() is threading.main_thread():
+            for s in signals:
+                signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signal = signal.Signals(signum).name
+
+    def __bool__(self) -> bool:
+        return self.signal is not None

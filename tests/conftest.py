@@ -1,0 +1,34 @@
+"""Shared fixtures: a tiny SFT'd model for the end-to-end runs of launch/train.py."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A 2-layer, 64-wide model trained for 40 SFT steps (seconds): enough for the pipeline."""
+    out = tmp_path_factory.mktemp("model") / "tiny"
+    subprocess.run([sys.executable, str(REPO / "launch/make_base_model.py"), "--out", str(out),
+                    "--max-steps", "40", "--eval-every", "40", "--n-eval", "4", "--hidden", "64",
+                    "--layers", "2", "--n-train", "256", "--n-heldout", "8"],
+                   check=True, cwd=REPO, capture_output=True, text=True)
+    return out
+
+
+def train_env(home: Path) -> dict:
+    return {**os.environ, "RAY_AUTH_MODE": "disabled", "HOME": str(home),
+            "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions")}
+
+
+# A few-second job on the tiny model: 2 rollout actors, R-KV evicting, an entropy bonus so the
+# weights move even when every reward of the untrained model is 0 (zero advantages).
+SMALL_JOB = ["run.eval_problems=8", "run.prompts_per_step=4", "rollout.samples_per_prompt=4",
+             "rollout.max_new_tokens=24", "rollout.kv.budget=16", "rollout.kv.compress_every=4",
+             "scorer.num_actors=1", "rollout.num_actors=2", "correction.loss.entropy_coef=0.01"]
