@@ -159,10 +159,17 @@ class RolloutActor:
 
         return weight_spec(self.engine.model)
 
-    def init_weight_sync(self, host: str, port: int, rank: int, world_size: int) -> None:
+    def init_weight_sync(self, host: str, port: int, rank: int, world_size: int,
+                         timeout_s: float = 300.0) -> None:
+        """Join the weight-sync group as ``rank`` (a collective with the learner and other actors);
+        ``timeout_s`` bounds the join and every later ``sync_weights``, so a dead peer is an error."""
         from cluster.weight_sync import WeightReceiver
 
-        self._receiver = WeightReceiver(host, port, rank, world_size, self.weight_spec())
+        if self._receiver is not None:  # re-forming (actor restart / pool resize): leave the old one
+            self._receiver.close()
+            self._receiver = None  # a failed join below must not leave a closed receiver behind
+        self._receiver = WeightReceiver(host, port, rank, world_size, self.weight_spec(),
+                                        timeout_s=float(timeout_s))
 
     def sync_weights(self) -> int:
         """Receive one broadcast (a collective with the learner's send) and swap the weights."""

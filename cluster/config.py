@@ -30,6 +30,13 @@ class ClusterConfig:
     weight_sync_port: int = 0           # 0: pick a free port
     weight_sync_backend: CommBackend = CommBackend.gloo
     weight_sync_bucket_mb: int = 64
+    # Longest wait of any weight-sync step (group formation, one broadcast): a member that died or
+    # never joins turns into an error after this long instead of a hang. It must exceed the longest
+    # rollout call, since an async-mode broadcast waits for actors to finish their batch.
+    weight_sync_timeout_s: float = 300.0
+    # Ray restarts a crashed rollout or scorer actor up to this many times (fresh, from its
+    # constructor); ``cluster.elastic.replace_dead`` then takes it back into the weight-sync group.
+    actor_max_restarts: int = 0
     # Fractional CPUs let several actors share 2 cores; Ray then sets OMP_NUM_THREADS=1 in them.
     rollout_cpus: float = 0.5
     scorer_cpus: float = 0.25
@@ -49,6 +56,9 @@ class ClusterConfig:
         check_range(f"{prefix}.num_cpus", self.num_cpus, 1)
         check_range(f"{prefix}.weight_sync_port", self.weight_sync_port, 0, 65535)
         check_range(f"{prefix}.weight_sync_bucket_mb", self.weight_sync_bucket_mb, 1, 4096)
+        check_range(f"{prefix}.actor_max_restarts", self.actor_max_restarts, -1, 1000)
+        check_range(f"{prefix}.weight_sync_timeout_s", self.weight_sync_timeout_s, 0.0, 86400.0,
+                    lo_open=True)
         for name in ("rollout_cpus", "scorer_cpus", "learner_cpus", "buffer_cpus"):
             check_range(f"{prefix}.{name}", getattr(self, name), 0.0, 64.0, lo_open=True)
         for name in ("rollout_gpus", "scorer_gpus", "learner_gpus"):

@@ -18,6 +18,9 @@ class Pools:
     scorer: list = field(default_factory=list)
     learners: list = field(default_factory=list)
     buffer: object = None
+    # actor_id of each rollout actor (parallel to ``rollout``): it seeds the actor's sampling, so a
+    # replacement takes over its predecessor's id and regenerates exactly its chunk of a batch
+    rollout_ids: list = field(default_factory=list)
 
     @property
     def receivers(self) -> list:
@@ -29,8 +32,6 @@ def build_pools(cfg, run_dir: str) -> Pools:
     """Create the buffer, learner, rollout and scorer actors (learners first: they hold the GPUs)."""
     import ray
 
-    from actors.rollout import RolloutActor
-    from actors.scorer import ScorerActor
     from buffer import ReplayBuffer
     from learner.learner import Learner
 
@@ -45,14 +46,35 @@ def build_pools(cfg, run_dir: str) -> Pools:
         learner_cls.remote(cfg.learner, cfg.correction, cfg.rollout.model_path, rank=r,
                            world_size=n_learn, master_addr=c.host, master_port=ds_port)
         for r in range(n_learn)]
-    rollout_cls = ray.remote(**actor_options(c.rollout_cpus, c.rollout_gpus, c.rollout_resources))(
-        RolloutActor)
-    pools.rollout = [rollout_cls.remote(cfg.rollout, cfg.task, cfg.rollout.model_path, actor_id=i)
-                     for i in range(cfg.rollout.num_actors)]
-    scorer_cls = ray.remote(**actor_options(c.scorer_cpus, c.scorer_gpus, c.scorer_resources))(ScorerActor)
-    pools.scorer = [scorer_cls.remote(cfg.scorer, cfg.rollout.model_path, cfg.rollout.temperature)
-                    for _ in range(cfg.scorer.num_actors)]
+    pools.rollout_ids = list(range(cfg.rollout.num_actors))
+    pools.rollout = [spawn_rollout(cfg, i) for i in pools.rollout_ids]
+    pools.scorer = [spawn_scorer(cfg) for _ in range(cfg.scorer.num_actors)]
     return pools
+
+
+def spawn_rollout(cfg, actor_id: int):
+    """One rollout actor with the pool's resources (build_pools, and replacements or growth in
+    ``cluster.elastic``: both must place and configure it the same way)."""
+    import ray
+
+    from actors.rollout import RolloutActor
+
+    c = cfg.cluster
+    opts = actor_options(c.rollout_cpus, c.rollout_gpus, c.rollout_resources)
+    cls = ray.remote(max_restarts=c.actor_max_restarts, **opts)(RolloutActor)
+    return cls.remote(cfg.rollout, cfg.task, cfg.rollout.model_path, actor_id=actor_id)
+
+
+def spawn_scorer(cfg):
+    """One dense scorer actor with the pool's resources (see ``spawn_rollout``)."""
+    import ray
+
+    from actors.scorer import ScorerActor
+
+    c = cfg.cluster
+    opts = actor_options(c.scorer_cpus, c.scorer_gpus, c.scorer_resources)
+    cls = ray.remote(max_restarts=c.actor_max_restarts, **opts)(ScorerActor)
+    return cls.remote(cfg.scorer, cfg.rollout.model_path, cfg.rollout.temperature)
 
 
 def _buffer_root(cfg, run_dir: str) -> str | None:
@@ -60,21 +82,29 @@ def _buffer_root(cfg, run_dir: str) -> str | None:
     return root if root else f"{run_dir}/buffer"
 
 
-def connect_weight_sync(pools: Pools, cfg) -> None:
+def connect_weight_sync(pools: Pools, cfg, port: int | None = None) -> None:
     """Form the broadcast group: learner rank 0 is rank 0, then each rollout and scorer actor.
 
     Separate from DeepSpeed's own process group (one default group per process): a standalone
-    TCPStore + gloo (or NCCL) group that only carries weights.
+    TCPStore + gloo (or NCCL) group that only carries weights. Every member leaves the group it was
+    in first, so calling this again re-forms it (``cluster.elastic.reform_weight_sync``, on a fresh
+    ``port``). ``cluster.weight_sync_timeout_s`` bounds every wait: a member that died or never
+    joins makes the others fail after that long instead of hanging.
     """
     import ray
 
     c = cfg.cluster
-    port = c.weight_sync_port or free_port(c.host)
+    port = port or c.weight_sync_port or free_port(c.host)
     world = 1 + len(pools.receivers)
-    calls = [pools.learners[0].init_weight_sync.remote(c.host, port, world, c.weight_sync_backend.value,
-                                                       c.weight_sync_bucket_mb)]
-    calls += [a.init_weight_sync.remote(c.host, port, rank, world)
+    timeout = float(c.weight_sync_timeout_s)
+    backend = getattr(c.weight_sync_backend, "value", c.weight_sync_backend)
+    calls = [pools.learners[0].init_weight_sync.remote(c.host, port, world, backend,
+                                                       c.weight_sync_bucket_mb, timeout_s=timeout)]
+    calls += [a.init_weight_sync.remote(c.host, port, rank, world, timeout_s=timeout)
               for rank, a in enumerate(pools.receivers, start=1)]
+    # every member's answer, not the first error: a failed formation leaves no member still
+    # waiting in it (each waits at most the timeout), so a re-formation can follow at once
+    ray.wait(calls, num_returns=len(calls))
     ray.get(calls)
 
 

@@ -430,9 +430,9 @@ class Learner:
     # ---- weight broadcast (rank 0) --------------------------------------------------------
 
     def init_weight_sync(self, host: str, port: int, world_size: int, backend: str = "gloo",
-                         bucket_mb: int = 64) -> None:
+                         bucket_mb: int = 64, timeout_s: float = 300.0) -> None:
         """Join the weight-sync group as its rank 0 (learner rank 0 only). A collective with
-        every receiver's ``init_weight_sync``."""
+        every receiver's ``init_weight_sync``; ``timeout_s`` bounds its waits and every send's."""
         from cluster.weight_sync import WeightSender
 
         if self.rank != 0:
@@ -440,7 +440,7 @@ class Learner:
         if self._sender is not None:  # re-forming (actor restart / pool resize): leave the old group
             self._sender.close()
         self._sender = WeightSender(host, port, world_size, self.weight_spec(), backend=backend,
-                                    bucket_bytes=int(bucket_mb) << 20)
+                                    bucket_bytes=int(bucket_mb) << 20, timeout_s=float(timeout_s))
 
     def broadcast_weights(self) -> int:
         """Send the current weights tagged with ``version`` (a collective with every receiver's

@@ -59,3 +59,47 @@ def make_batch(num_groups: int = 2, group_size: int = 4, vocab: int = 128, seed:
             "rewards": torch.randint(0, 2, (b,), generator=g).float(),
             "group_index": torch.arange(num_groups).repeat_interleave(group_size),
             "policy_version": torch.zeros(b, dtype=torch.long)}
+
+
+class WeightSource:
+    """Stand-in for learner rank 0 in weight-sync tests: a plain model with the ``Learner``'s
+    weight-sync methods, without DeepSpeed (whose start-up takes seconds per actor). ``step()``
+    changes the weights and bumps the version, as a train step would."""
+
+    def __init__(self, model_path: str):
+        from common.modeling import load_model
+
+        torch.set_num_threads(1)
+        self.model = load_model(model_path)
+        self.version = 0
+        self._sender = None
+
+    def named_weights(self):
+        return [(n, p.detach()) for n, p in self.model.named_parameters()]
+
+    def state_checksum(self) -> float:
+        from common.modeling import checksum
+
+        return checksum(self.named_weights())
+
+    def init_weight_sync(self, host: str, port: int, world_size: int, backend: str = "gloo",
+                         bucket_mb: int = 64, timeout_s: float = 300.0) -> None:
+        from cluster.weight_sync import WeightSender, weight_spec
+
+        if self._sender is not None:
+            self._sender.close()
+        self._sender = WeightSender(host, port, world_size, weight_spec(self.model),
+                                    backend=backend, bucket_bytes=int(bucket_mb) << 20,
+                                    timeout_s=float(timeout_s))
+
+    def broadcast_weights(self) -> int:
+        self._sender.send(self.named_weights(), self.version)
+        return self.version
+
+    @torch.no_grad()
+    def step(self, seed: int = 0, scale: float = 1e-2) -> int:
+        g = torch.Generator().manual_seed(seed)
+        for p in self.model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+        self.version += 1
+        return self.version

@@ -1,0 +1,204 @@
+"""Elastic pools (issue #6): the weight-sync group re-forms after an actor dies, after Ray
+restarts one, and when a pool is resized; every receiver then holds exactly the learner's weights
+and version.
+A missing peer makes weight sync fail within its timeout instead of hanging.
+
+Real Ray on CPU with a tiny model; a plain-model ``WeightSource`` stands in for learner rank 0
+(DeepSpeed's start-up would dominate the test time).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from actors.config import RolloutConfig, ScorerConfig
+from actors.native.tiny import build_tiny
+from cluster.config import ClusterConfig
+from cluster.weight_sync import WeightReceiver, WeightSender, free_port
+from tasks.base import Problem
+from tasks.config import TaskConfig
+
+SPEC = [("w", (64,), torch.float32)]
+
+
+# ---- timeouts, without Ray -------------------------------------------------------------------
+
+def test_receiver_without_a_sender_fails_within_its_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(Exception):  # TCPStore: no server ever listens on the port
+        WeightReceiver("127.0.0.1", free_port(), 1, 2, SPEC, timeout_s=2.0)
+    assert time.monotonic() - t0 < 15
+
+
+def test_receive_fails_within_the_timeout_when_the_sender_never_sends():
+    port, made = free_port(), {}
+    t = threading.Thread(target=lambda: made.update(
+        s=WeightSender("127.0.0.1", port, 2, SPEC, timeout_s=2.0)))
+    t.start()
+    receiver = WeightReceiver("127.0.0.1", port, 1, 2, SPEC, timeout_s=2.0)
+    t.join()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="[Tt]imed out"):
+        receiver.receive()  # the sender is alive but never calls send: a peer gone silent
+    assert 1.5 < time.monotonic() - t0 < 15
+
+
+# ---- Ray: replace, restart, resize ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ray_env(tmp_path_factory):
+    import os
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from cluster.ray_setup import start_ray
+
+    run_dir = tmp_path_factory.mktemp("elastic")
+    ray = start_ray(ClusterConfig(num_cpus=2), run_dir)
+    model = str(build_tiny(run_dir / "model", "qwen2", seed=0))
+    yield ray, model
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pools_cfg(ray_env):
+    """Learner stand-in, one rollout actor, one scorer, in one weight-sync group; shared by the
+    tests below (each leaves every actor in the group with the learner's weights) since every actor
+    process costs seconds to start."""
+    from cluster.pools import Pools, broadcast_weights, connect_weight_sync, spawn_rollout, \
+        spawn_scorer
+    from learner.testing import WeightSource
+
+    ray, model = ray_env
+    cfg = SimpleNamespace(
+        cluster=ClusterConfig(rollout_cpus=0.25, scorer_cpus=0.25, weight_sync_timeout_s=30.0,
+                              actor_max_restarts=1),
+        rollout=RolloutConfig(model_path=model, samples_per_prompt=2, max_new_tokens=6,
+                              batch_size=8),
+        scorer=ScorerConfig(micro_batch=4), task=TaskConfig(n_train=8, n_heldout=2))
+    pools = Pools(learners=[ray.remote(num_cpus=0.25)(WeightSource).remote(model)])
+    pools.rollout_ids = [0]
+    pools.rollout = [spawn_rollout(cfg, 0)]
+    pools.scorer = [spawn_scorer(cfg)]
+    connect_weight_sync(pools, cfg)
+    broadcast_weights(pools)
+    return pools, cfg
+
+
+def train_step(ray, pools, seed: int) -> int:
+    """What a learner step does to the weights: change them and bump the version."""
+    return ray.get(pools.learners[0].step.remote(seed))
+
+
+def assert_in_sync(ray, pools, version: int) -> None:
+    """Every receiver holds the learner's version and exactly its weights."""
+    ref = ray.get(pools.learners[0].state_checksum.remote())
+    sums = ray.get([a.state_checksum.remote() for a in pools.receivers])
+    versions = ray.get([a.__ray_call__.remote(lambda self: self.version) for a in pools.receivers])
+    assert versions == [version] * len(pools.receivers)
+    assert sums == [ref] * len(pools.receivers)
+
+
+def test_killed_and_restarted_actors_rejoin_with_the_learners_weights(ray_env, pools_cfg):
+    ray, _ = ray_env
+    from cluster.elastic import replace_dead
+    from cluster.pools import broadcast_weights
+
+    pools, cfg = pools_cfg
+    v = train_step(ray, pools, seed=1)
+    broadcast_weights(pools)
+    problems = [Problem(3, "sum a1b2", "3")]
+    before = ray.get(pools.rollout[0].rollout.remote(problems, v, 7))
+    old_scorer = pools.scorer[0]
+
+    ray.kill(pools.rollout[0], no_restart=True)   # gone for good: replaced
+    ray.kill(pools.scorer[0], no_restart=False)   # Ray restarts it, fresh and outside the group
+    _await_restart(ray, pools.scorer[0])
+    report = replace_dead(pools, cfg)
+
+    assert report == ["rollout actor 0: dead, replaced", "scorer 0: restarted by Ray, rejoined"]
+    assert pools.scorer[0] is old_scorer and pools.rollout_ids == [0]
+    assert_in_sync(ray, pools, v)
+    # the replacement has actor_id 0 and the learner's weights: it regenerates the lost chunk
+    again = ray.get(pools.rollout[0].rollout.remote(problems, v, 7))
+    assert [(r["sample_id"], r["response_ids"]) for r in again] == \
+        [(r["sample_id"], r["response_ids"]) for r in before]
+    # and the next step's broadcast reaches every actor of the re-formed group
+    v2 = train_step(ray, pools, seed=2)
+    assert broadcast_weights(pools)[0] == v2
+    assert_in_sync(ray, pools, v2)
+    assert replace_dead(pools, cfg) == []          # nothing wrong: nothing done
+
+
+def test_actor_dying_in_a_broadcast_fails_it_and_heals_within_the_timeout(ray_env, pools_cfg):
+    """The broadcast that finds a member dead raises instead of hanging; survivors blocked in it
+    give up after ``weight_sync_timeout_s``, and replace_dead then re-forms the group."""
+    ray, _ = ray_env
+    from dataclasses import replace
+
+    from cluster.elastic import replace_dead, sync_all
+    from cluster.pools import broadcast_weights
+
+    pools, cfg = pools_cfg
+    short = SimpleNamespace(**vars(cfg))
+    short.cluster = replace(cfg.cluster, weight_sync_timeout_s=3.0)
+    sync_all(pools, short)                         # the group now gives up after 3 s
+    v = train_step(ray, pools, seed=6)
+    ray.kill(pools.rollout[0], no_restart=True)
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="[Cc]onnection|[Tt]imed out|died"):
+        broadcast_weights(pools)
+    assert replace_dead(pools, short) == ["rollout actor 0: dead, replaced"]
+    assert time.monotonic() - t0 < 60
+    assert_in_sync(ray, pools, v)
+    sync_all(pools, cfg)                           # back to the fixture's timeout
+
+
+def test_resize_rollout_pool_one_two_one(ray_env, pools_cfg):
+    ray, _ = ray_env
+    from cluster.elastic import DEAD, probe, resize_pool
+    from cluster.pools import broadcast_weights
+
+    pools, cfg = pools_cfg
+    assert len(pools.rollout) == 1
+    v = train_step(ray, pools, seed=3)
+    broadcast_weights(pools)
+
+    assert resize_pool(pools, cfg, "rollout", 2) == ["rollout actor 1: added"]
+    assert pools.rollout_ids == [0, 1] and len(pools.receivers) == 3
+    assert_in_sync(ray, pools, v)                  # the new actor got the current weights
+
+    v = train_step(ray, pools, seed=4)
+    broadcast_weights(pools)
+    assert_in_sync(ray, pools, v)
+
+    removed = pools.rollout[1]
+    assert resize_pool(pools, cfg, "rollout", 1) == ["rollout actor 1: removed"]
+    assert pools.rollout_ids == [0] and len(pools.receivers) == 2
+    assert probe([removed], timeout_s=10) == [DEAD]
+    v = train_step(ray, pools, seed=5)
+    broadcast_weights(pools)                       # the smaller group works without the old member
+    assert_in_sync(ray, pools, v)
+    with pytest.raises(ValueError):
+        resize_pool(pools, cfg, "learner", 2)
+
+
+def _await_restart(ray, actor, timeout_s: float = 60.0) -> None:
+    """Until the actor answers from its restarted process (fresh: no weight receiver); a call right
+    after ``ray.kill`` may still reach the old process, or fail while Ray restarts it."""
+    from ray.exceptions import RayActorError
+
+    from cluster.elastic import _joined
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if not ray.get(actor.__ray_call__.remote(_joined), timeout=timeout_s):
+                return
+        except RayActorError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("the killed actor was not restarted by Ray")
