@@ -102,6 +102,7 @@ def assert_in_sync(ray, pools, version: int) -> None:
     assert sums == [ref] * len(pools.receivers)
 
 
+@pytest.mark.slow
 def test_killed_and_restarted_actors_rejoin_with_the_learners_weights(ray_env, pools_cfg):
     ray, _ = ray_env
     from cluster.elastic import replace_dead
@@ -133,6 +134,7 @@ def test_killed_and_restarted_actors_rejoin_with_the_learners_weights(ray_env, p
     assert replace_dead(pools, cfg) == []          # nothing wrong: nothing done
 
 
+@pytest.mark.slow
 def test_actor_dying_in_a_broadcast_fails_it_and_heals_within_the_timeout(ray_env, pools_cfg):
     """The broadcast that finds a member dead raises instead of hanging; survivors blocked in it
     give up after ``weight_sync_timeout_s``, and replace_dead then re-forms the group."""
@@ -157,6 +159,7 @@ def test_actor_dying_in_a_broadcast_fails_it_and_heals_within_the_timeout(ray_en
     sync_all(pools, cfg)                           # back to the fixture's timeout
 
 
+@pytest.mark.slow
 def test_resize_rollout_pool_one_two_one(ray_env, pools_cfg):
     ray, _ = ray_env
     from cluster.elastic import DEAD, probe, resize_pool
