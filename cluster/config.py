@@ -1,9 +1,11 @@
 """Cluster layout: where Ray runs and how many of each actor, with what resources."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 
+from common.errors import ConfigError
 from common.validate import check_range
 
 
@@ -49,6 +51,12 @@ class ClusterConfig:
     rollout_resources: dict[str, float] = field(default_factory=dict)
     scorer_resources: dict[str, float] = field(default_factory=dict)
     learner_resources: dict[str, float] = field(default_factory=dict)
+    # CPU ids each pool's actor processes are pinned to (sched_setaffinity, and that many torch
+    # threads); empty: no pinning. Emulates disjoint per-pool hardware on one machine, e.g. rollout
+    # on core 0 and learner + scorer on core 1, so the pools stop competing for the same cores.
+    rollout_cores: list[int] = field(default_factory=list)
+    scorer_cores: list[int] = field(default_factory=list)
+    learner_cores: list[int] = field(default_factory=list)
     placement: PlacementStrategy = PlacementStrategy.PACK
     temp_dir: str | None = None         # None: a fresh dir under the run's output folder
 
@@ -63,3 +71,21 @@ class ClusterConfig:
             check_range(f"{prefix}.{name}", getattr(self, name), 0.0, 64.0, lo_open=True)
         for name in ("rollout_gpus", "scorer_gpus", "learner_gpus"):
             check_range(f"{prefix}.{name}", getattr(self, name), 0.0, 8.0)
+        for name in ("rollout_cores", "scorer_cores", "learner_cores"):
+            check_cores(f"{prefix}.{name}", getattr(self, name))
+
+
+def check_cores(key: str, cores: list[int]) -> None:
+    """Raise ConfigError unless ``cores`` lists distinct CPU ids this machine has (empty is fine).
+
+    Checked against this (the driver's) machine: pinning is meant for a single-machine run.
+    """
+    n = os.cpu_count() or 1
+    allowed = f"a list of distinct CPU ids in [0, {n - 1}] (empty: no pinning)"
+    if not isinstance(cores, (list, tuple)):
+        raise ConfigError(key, cores, allowed)
+    for c in cores:
+        if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < n:
+            raise ConfigError(key, list(cores), allowed)
+    if len(set(cores)) != len(cores):
+        raise ConfigError(key, list(cores), allowed)

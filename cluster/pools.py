@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.ray_setup import actor_options
+from cluster.ray_setup import actor_options, pinned
 from cluster.weight_sync import free_port
 
 
@@ -41,7 +41,8 @@ def build_pools(cfg, run_dir: str) -> Pools:
         cfg.buffer, _buffer_root(cfg, run_dir))
     n_learn = cfg.learner.num_learners
     ds_port = free_port(c.host)
-    learner_cls = ray.remote(**actor_options(c.learner_cpus, c.learner_gpus, c.learner_resources))(Learner)
+    learner_cls = ray.remote(**actor_options(c.learner_cpus, c.learner_gpus, c.learner_resources))(
+        pinned(Learner, c.learner_cores))
     pools.learners = [
         learner_cls.remote(cfg.learner, cfg.correction, cfg.rollout.model_path, rank=r,
                            world_size=n_learn, master_addr=c.host, master_port=ds_port)
@@ -61,7 +62,8 @@ def spawn_rollout(cfg, actor_id: int):
 
     c = cfg.cluster
     opts = actor_options(c.rollout_cpus, c.rollout_gpus, c.rollout_resources)
-    cls = ray.remote(max_restarts=c.actor_max_restarts, **opts)(RolloutActor)
+    cls = ray.remote(max_restarts=c.actor_max_restarts, **opts)(
+        pinned(RolloutActor, c.rollout_cores))
     return cls.remote(cfg.rollout, cfg.task, cfg.rollout.model_path, actor_id=actor_id)
 
 
@@ -73,7 +75,8 @@ def spawn_scorer(cfg):
 
     c = cfg.cluster
     opts = actor_options(c.scorer_cpus, c.scorer_gpus, c.scorer_resources)
-    cls = ray.remote(max_restarts=c.actor_max_restarts, **opts)(ScorerActor)
+    cls = ray.remote(max_restarts=c.actor_max_restarts, **opts)(
+        pinned(ScorerActor, c.scorer_cores))
     return cls.remote(cfg.scorer, cfg.rollout.model_path, cfg.rollout.temperature)
 
 

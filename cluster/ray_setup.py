@@ -73,3 +73,37 @@ def actor_options(cpus: float, gpus: float = 0.0, resources: dict | None = None,
     if name:
         opts["name"] = name
     return opts
+
+
+def apply_cores(cores) -> None:
+    """Pin this process to ``cores`` (CPU ids) and run that many torch threads; empty: no change.
+
+    Called first thing in an actor process (see ``pinned``), before its model loads, so torch's
+    thread pool and every later allocation start out on the pool's own cores.
+    """
+    if not cores:
+        return
+    import torch
+
+    os.sched_setaffinity(0, set(int(c) for c in cores))
+    torch.set_num_threads(len(cores))
+    # Ray's OMP_NUM_THREADS=1 would otherwise cap pools that were given several cores
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(len(cores))
+
+
+def pinned(cls: type, cores) -> type:
+    """``cls``, or a subclass whose constructor first pins its process to ``cores`` (``apply_cores``).
+
+    Wrapping the class (rather than calling a method after construction) pins the model load and
+    every thread the actor starts; the subclass keeps the name, so Ray's logs read the same.
+    """
+    if not cores:
+        return cls
+    cores = [int(c) for c in cores]
+
+    def __init__(self, *args, **kwargs):
+        apply_cores(cores)
+        cls.__init__(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__, "pinned_cores": cores})

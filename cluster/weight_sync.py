@@ -5,10 +5,17 @@ one (DeepSpeed's), and a process may hold only one default group. So each side b
 ``TCPStore`` plus a bare ``ProcessGroupGloo`` (``ProcessGroupNCCL`` on GPU) and calls collectives on that
 object directly. Learner rank 0 is rank 0 of this group; every actor is one more rank.
 
+Transport: when every receiver runs on the sender's machine (a gloo group whose receivers can map
+the sender's shared-memory file), bytes stream through a two-slot shared-memory ring paced by gloo
+barriers (``cluster.shm_ring``: about one copy per side, overlapped); otherwise through gloo's (or
+NCCL's) broadcast, where loopback TCP costs ~2.5-3.5x a copy on the 2-core dev machine.
+
 Wire protocol of one ``send``/``receive`` (a collective: all ranks must call it):
-  1. an int64 tensor ``[version, num_buckets]``;
-  2. the weights, flattened into buckets (one dtype per bucket, at most ``bucket_bytes`` unless a
-     single tensor is larger), in the order of the shared spec.
+  1. an int64 tensor ``[version, num_buckets]`` (broadcast; in the ring, the first barrier's sum);
+  2. the weights in buckets, in the order of the shared spec: small tensors flattened together
+     (one dtype per bucket, at most ``bucket_bytes``), a tensor of ``DIRECT_BYTES`` or more alone
+     and in place (no copy on the sender, none on a receiver that passes ``into``). Every bucket
+     is in flight at once, so packing and unpacking overlap the transfer.
 Both sides derive the same bucket plan from the spec, so only the version travels as metadata. The
 spec itself is agreed once, at construction, through the store: the sender publishes its spec (wire
 dtypes), bucket size and backend; a receiver whose parameter names or shapes differ fails there, and
@@ -18,13 +25,17 @@ the wrong size.
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
+
+from cluster.shm_ring import SHM_DIR, ShmRing, slot_bytes_for
 
 SpecEntry = tuple[str, tuple[int, ...], torch.dtype]
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -57,6 +68,17 @@ def _spec_json(spec: Iterable[SpecEntry]) -> str:
     return json.dumps([[n, list(s), str(d)] for n, s, d in spec])
 
 
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def _dtype(name: str) -> torch.dtype:
     """'torch.bfloat16' -> torch.bfloat16."""
     dtype = getattr(torch, name.rsplit(".", 1)[-1], None)
@@ -82,11 +104,19 @@ class _Bucket:
     entries: tuple[tuple[int, int, int], ...]  # (spec index, offset, numel)
 
 
+# A tensor this large (or larger than a bucket) travels alone: the sender broadcasts it in place and
+# the receiver can land it straight in its parameter, so neither side copies it. Below this, packing
+# is cheaper than one more message (a gloo message costs tens of microseconds, a 1 MiB copy ~0.2 ms).
+DIRECT_BYTES = 1 << 20
+
+
 def plan_buckets(spec: list[SpecEntry], bucket_bytes: int) -> list[_Bucket]:
-    """Group consecutive same-dtype tensors into flat buckets of at most ``bucket_bytes``."""
+    """Group consecutive same-dtype tensors into flat buckets of at most ``bucket_bytes``; a tensor
+    of at least ``min(DIRECT_BYTES, bucket_bytes)`` gets a bucket of its own."""
     buckets: list[_Bucket] = []
     cur: list[tuple[int, int, int]] = []
     cur_dtype, cur_numel = None, 0
+    alone_bytes = min(DIRECT_BYTES, bucket_bytes)
 
     def close():
         if cur:
@@ -96,15 +126,27 @@ def plan_buckets(spec: list[SpecEntry], bucket_bytes: int) -> list[_Bucket]:
         numel = 1
         for s in shape:
             numel *= s
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if cur and (dtype != cur_dtype or (cur_numel + numel) * itemsize > bucket_bytes):
+        itemsize = _itemsize(dtype)
+        alone = numel * itemsize >= alone_bytes
+        if cur and (alone or dtype != cur_dtype or (cur_numel + numel) * itemsize > bucket_bytes):
             close()
             cur, cur_numel = [], 0
         cur_dtype = dtype
         cur.append((i, cur_numel, numel))
         cur_numel += numel
+        if alone:
+            close()
+            cur, cur_numel = [], 0
     close()
     return buckets
+
+
+def _direct(t: torch.Tensor | None, dtype: torch.dtype, device: torch.device, numel: int):
+    """``t`` as a flat view the wire can use as is (same dtype, device, size; contiguous), or None."""
+    if t is None or t.dtype != dtype or t.device != device or t.numel() != numel \
+            or not t.is_contiguous():
+        return None
+    return t.detach().view(-1)
 
 
 def listen_fd(host: str, port: int) -> int:
@@ -126,7 +168,8 @@ class _Group:
     actors; ``copy_`` casts on load), bucket size and backend, so only the sender needs configuring.
     """
 
-    def __init__(self, host, port, rank, world_size, spec, backend, bucket_bytes, timeout_s, key):
+    def __init__(self, host, port, rank, world_size, spec, backend, bucket_bytes, timeout_s, key,
+                 shm=False):
         if backend not in (None, "gloo", "nccl"):
             raise ValueError(f"weight sync backend must be 'gloo' or 'nccl', got {backend!r}")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -136,6 +179,9 @@ class _Group:
         self.bucket_bytes = bucket_bytes
         self.timeout = timedelta(seconds=timeout_s)
         self._key = key
+        self._flats: dict[int, torch.Tensor] = {}  # staging buffers by bucket index (``_staging``)
+        self._shm_allowed = shm
+        self.ring: ShmRing | None = None  # set when every rank is on one machine (gloo only)
         # TCPStore's own server listens on every interface ("::"): rank 0 hands it a socket bound
         # to ``host`` instead, so a 127.0.0.1 group is reachable from this machine only.
         server = {"master_listen_fd": listen_fd(host, port)} if rank == 0 else {}
@@ -157,18 +203,24 @@ class _Group:
         k = self._key
         if self.rank == 0:
             meta = {"spec": json.loads(_spec_json(self.spec)), "bucket_bytes": int(self.bucket_bytes),
-                    "backend": self.backend}
+                    "backend": self.backend, "shm": self._offer_shm()}
             self.store.set(f"{k}/meta", json.dumps(meta))
             problems = []
             for r in range(1, self.world_size):
                 msg = self.store.get(f"{k}/check/{r}").decode()
                 if msg != _VERDICT_OK:
                     problems.append(f"rank {r}: {msg}")
+            # the ring only if every receiver mapped it (each said so before its check)
+            if not all(self.store.get(f"{k}/shm/{r}") == b"1" for r in range(1, self.world_size)):
+                self._drop_ring()
+            self.store.set(f"{k}/transport", "shm" if self.ring else "pg")
             verdict = _VERDICT_OK if not problems else "; ".join(problems)
             self.store.set(f"{k}/verdict", verdict)
             # rank 0 hosts the store: leaving (raising) before every receiver has read the verdict
             # would cut them off with a bare connection error instead of the message
             self.store.wait([f"{k}/seen/{r}" for r in range(1, self.world_size)])
+            if self.ring:  # every receiver has mapped it: the name is no longer needed
+                self.ring.unlink()
         else:
             meta = json.loads(self.store.get(f"{k}/meta").decode())
             theirs = meta["spec"]
@@ -177,8 +229,11 @@ class _Group:
                               [e[:2] for e in theirs])
             if diff is None and self.backend not in (None, meta["backend"]):
                 diff = f"receiver backend {self.backend!r}, sender backend {meta['backend']!r}"
+            self.store.set(f"{k}/shm/{self.rank}", "1" if self._map_shm(meta.get("shm")) else "0")
             self.store.set(f"{k}/check/{self.rank}", diff or _VERDICT_OK)
             verdict = self.store.get(f"{k}/verdict").decode()
+            if self.store.get(f"{k}/transport") != b"shm":
+                self.ring = None
             self.store.set(f"{k}/seen/{self.rank}", "1")
             if verdict == _VERDICT_OK:
                 self.spec = [(n, tuple(shape), _dtype(d)) for n, shape, d in theirs]
@@ -186,6 +241,41 @@ class _Group:
         if verdict != _VERDICT_OK:
             raise ValueError(f"weight sync spec mismatch (receiver model differs from the "
                              f"learner's): {verdict}")
+
+    def _offer_shm(self) -> dict | None:
+        """Rank 0: create the same-machine ring (``cluster.shm_ring``) when this group may use it;
+        its path, slot size and token for the receivers to map, else None."""
+        if not (self._shm_allowed and self.backend == "gloo" and self.world_size > 1
+                and os.path.isdir(SHM_DIR)):
+            return None
+        total = sum(_numel(shape) * _itemsize(dtype) for _, shape, dtype in self.spec)
+        path = os.path.join(SHM_DIR, f"sparse-rl-weights-{os.getpid()}-{secrets.token_hex(6)}")
+        try:
+            self.ring = ShmRing(path, slot_bytes_for(total))
+        except (OSError, RuntimeError):  # no room in /dev/shm, no permission: TCP it is
+            return None
+        return {"path": path, "slot_bytes": self.ring.slot_bytes, "token": self.ring.token}
+
+    def _map_shm(self, offer: dict | None) -> bool:
+        """Receiver: map rank 0's ring; False when it is not on this machine (or not offered)."""
+        if offer is None:
+            return False
+        try:
+            self.ring = ShmRing(offer["path"], offer["slot_bytes"], token=offer["token"])
+        except (OSError, RuntimeError, ValueError):
+            self.ring = None
+        return self.ring is not None
+
+    def _drop_ring(self) -> None:
+        if self.ring is not None:
+            self.ring.unlink()
+        self.ring = None
+
+    def _barrier(self, values: list[int]) -> list[int]:
+        """Every rank's ``values`` summed (a barrier that also carries the sender's header)."""
+        t = torch.tensor(values, dtype=torch.int64)
+        self.pg.allreduce(t).wait()
+        return t.tolist()
 
     def _make_pg(self):
         if self.backend == "gloo":
@@ -202,8 +292,18 @@ class _Group:
     def close(self) -> None:
         """Leave the group (before re-forming it, e.g. on a new port after an actor restart or a
         pool resize). Rank 0's TCPStore server stops when its last reference goes."""
+        self._drop_ring()
         self.pg = None
         self.store = None
+        self._flats = {}
+
+    def _staging(self, i: int, b: _Bucket) -> torch.Tensor:
+        """Bucket ``i``'s flat buffer, kept between calls: fresh 100 MB buffers cost page faults
+        every time (a 50 MB ``clone`` takes ~3x a copy into memory already touched)."""
+        flat = self._flats.get(i)
+        if flat is None:
+            flat = self._flats[i] = torch.empty(b.numel, dtype=b.dtype, device=self.device)
+        return flat
 
 
 class WeightSender(_Group):
@@ -211,9 +311,11 @@ class WeightSender(_Group):
 
     def __init__(self, host: str, port: int, world_size: int, spec: list[SpecEntry],
                  backend: str = "gloo", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 timeout_s: float = 300.0, key: str = "weights"):
-        self._flats: list[torch.Tensor] | None = None
-        super().__init__(host, port, 0, world_size, spec, backend, bucket_bytes, timeout_s, key)
+                 timeout_s: float = 300.0, key: str = "weights", same_host_shm: bool = True):
+        """``same_host_shm``: with gloo, stream through shared memory (``cluster.shm_ring``) when
+        every receiver turns out to be on this machine; TCP otherwise, or when False."""
+        super().__init__(host, port, 0, world_size, spec, backend, bucket_bytes, timeout_s, key,
+                         shm=same_host_shm)
 
     @torch.no_grad()
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
@@ -230,21 +332,30 @@ class WeightSender(_Group):
             if tuple(by_name[name].shape) != shape:  # that failed half-way
                 raise ValueError(f"weight sync send: {name} has shape "
                                  f"{tuple(by_name[name].shape)}, spec says {shape}")
-        if self._flats is None:  # kept between sends: fresh 100 MB buffers cost page faults each time
-            self._flats = [torch.empty(b.numel, dtype=b.dtype, device=self.device)
-                           for b in self.buckets]
-        self.broadcast(torch.tensor([int(version), len(self.buckets)], dtype=torch.int64,
-                                    device=self.device))
-        works = []
-        for b, flat in zip(self.buckets, self._flats):
-            for idx, off, numel in b.entries:
-                flat[off:off + numel].copy_(by_name[self.spec[idx][0]].reshape(-1))
-            # asynchronous: bucket i goes out while bucket i+1 is being packed
-            works.append(self.pg.broadcast(flat, 0))
-        for w in works:
-            w.wait()
-        return {"bytes": sum(f.numel() * f.element_size() for f in self._flats),
-                "buckets": len(self.buckets)}
+        header = [int(version), len(self.buckets)]
+        if self.ring is not None:
+            self.ring.send([f.view(torch.uint8) for f in self._wire(by_name)], self._barrier, header)
+        else:
+            self.broadcast(torch.tensor(header, dtype=torch.int64, device=self.device))
+            # asynchronous: bucket i goes out while ``_wire`` packs bucket i+1
+            works = [self.pg.broadcast(flat, 0) for flat in self._wire(by_name)]
+            for w in works:
+                w.wait()
+        return {"bytes": sum(b.numel * _itemsize(b.dtype) for b in self.buckets),
+                "buckets": len(self.buckets), "transport": "shm" if self.ring else self.backend}
+
+    def _wire(self, by_name: dict[str, torch.Tensor]):
+        """Each bucket as a flat tensor: a lone tensor in place when the wire can take it as is,
+        else packed into the bucket's staging buffer."""
+        for i, b in enumerate(self.buckets):
+            flat = None
+            if len(b.entries) == 1:
+                flat = _direct(by_name[self.spec[b.entries[0][0]][0]], b.dtype, self.device, b.numel)
+            if flat is None:
+                flat = self._staging(i, b)
+                for idx, off, numel in b.entries:
+                    flat[off:off + numel].copy_(by_name[self.spec[idx][0]].reshape(-1))
+            yield flat
 
 
 class WeightReceiver(_Group):
@@ -258,27 +369,63 @@ class WeightReceiver(_Group):
         """
         if rank == 0:
             raise ValueError("weight sync rank 0 is the sender (learner rank 0); receivers use >= 1")
-        super().__init__(host, port, rank, world_size, spec, backend, None, timeout_s, key)
+        super().__init__(host, port, rank, world_size, spec, backend, None, timeout_s, key, shm=True)
 
     @torch.no_grad()
-    def receive(self) -> tuple[int, list[tuple[str, torch.Tensor]]]:
-        """Block until the sender's next ``send``; return (version, [(name, tensor), ...]).
+    def receive(self, into: Mapping[str, torch.Tensor] | None = None
+                ) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+        """Block until the sender's next ``send``; return (version, [(name, tensor), ...]) in spec
+        order.
 
-        Tensors are views into fresh per-call buffers (on the group's device), in spec order, in
-        the sender's dtypes.
+        Without ``into``: the tensors are views into buffers this receiver keeps between calls (on
+        the group's device, in the sender's dtypes), valid until the next ``receive``: copy them
+        (every ``load_weights`` does) before receiving again.
+        With ``into`` (name -> destination, e.g. a model's parameters, for every spec name): each
+        weight is written into its destination, cast to its dtype, and the list holds the
+        destinations; a lone tensor whose destination matches the wire lands there with no copy.
+        A failed receive can leave the destinations partly written.
         """
-        header = torch.zeros(2, dtype=torch.int64, device=self.device)
-        self.broadcast(header)
-        version, num_buckets = int(header[0]), int(header[1])
+        if into is not None:  # checked before the header: never fail half-way through a transfer
+            self._check_into(into)
+        flats = [self._landing(i, b, into) for i, b in enumerate(self.buckets)]
+        if self.ring is not None:
+            version, num_buckets = self.ring.receive([f.view(torch.uint8) for f in flats],
+                                                     self._barrier, 2)
+            works = [None] * len(flats)
+        else:
+            header = torch.zeros(2, dtype=torch.int64, device=self.device)
+            self.broadcast(header)
+            version, num_buckets = int(header[0]), int(header[1])
+            works = [self.pg.broadcast(flat, 0) for flat in flats]  # all in flight at once
         if num_buckets != len(self.buckets):  # cannot happen after the spec check; guards misuse
             raise RuntimeError(f"weight sync: sender sent {num_buckets} buckets, receiver planned "
                                f"{len(self.buckets)}")
-        flats = [torch.empty(b.numel, dtype=b.dtype, device=self.device) for b in self.buckets]
-        for w in [self.pg.broadcast(flat, 0) for flat in flats]:  # all in flight, then wait
-            w.wait()
         out: list[tuple[str, torch.Tensor]] = []
-        for b, flat in zip(self.buckets, flats):
+        for b, flat, work in zip(self.buckets, flats, works):
+            if work is not None:
+                work.wait()  # unpacking bucket i overlaps the transfer of the later ones
             for idx, off, numel in b.entries:
                 name, shape, _ = self.spec[idx]
-                out.append((name, flat[off:off + numel].view(shape)))
+                t = flat[off:off + numel].view(shape)
+                if into is not None:
+                    if into[name].data_ptr() != t.data_ptr():
+                        into[name].copy_(t)
+                    t = into[name]
+                out.append((name, t))
         return version, out
+
+    def _landing(self, i: int, b: _Bucket, into: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
+        """Where bucket ``i`` arrives: its destination when it is a lone tensor the wire can
+        write as is, else the bucket's staging buffer."""
+        flat = None
+        if into is not None and len(b.entries) == 1:
+            flat = _direct(into[self.spec[b.entries[0][0]][0]], b.dtype, self.device, b.numel)
+        return self._staging(i, b) if flat is None else flat
+
+    def _check_into(self, into: Mapping[str, torch.Tensor]) -> None:
+        for name, shape, _ in self.spec:
+            if name not in into:
+                raise KeyError(f"weight sync receive: no destination for {name!r}")
+            if tuple(into[name].shape) != shape:
+                raise ValueError(f"weight sync receive: destination {name} has shape "
+                                 f"{tuple(into[name].shape)}, spec says {shape}")

@@ -7,8 +7,8 @@ import traceback
 import pytest
 import torch
 
-from cluster.weight_sync import (WeightReceiver, WeightSender, free_port, plan_buckets,
-                                 weight_spec)
+from cluster.weight_sync import (DIRECT_BYTES, WeightReceiver, WeightSender, free_port,
+                                 plan_buckets, weight_spec)
 from common.modeling import checksum
 
 
@@ -43,6 +43,46 @@ def _scenario(rank, world, port, seed, wide, versions):
     return got
 
 
+class _BigNet(torch.nn.Module):
+    """One tensor above DIRECT_BYTES (travels alone, in place) between small packed ones."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.small = torch.nn.Parameter(torch.randn(10, generator=g))
+        self.big = torch.nn.Parameter(torch.randn(DIRECT_BYTES // 4 + 3, generator=g))
+        self.lowp = torch.nn.Parameter(torch.randn(DIRECT_BYTES // 2 + 1, generator=g).bfloat16())
+        self.tail = torch.nn.Parameter(torch.randn(7, 3, generator=g))
+        self.tail2 = torch.nn.Parameter(torch.randn(5, generator=g))
+
+
+def _big_scenario(rank, world, port, versions, shm):
+    """Rank 1 receives into its model's parameters (``into``), rank 2 into the receiver's buffers;
+    through the shared-memory ring (``shm``) or gloo over TCP."""
+    net = _BigNet(100 + rank)
+    if rank == 0:
+        s = WeightSender("127.0.0.1", port, world, weight_spec(net), bucket_bytes=4096, timeout_s=30,
+                         same_host_shm=shm)
+        for v in versions:
+            info = s.send(net.named_parameters(), v)
+            with torch.no_grad():
+                net.big.mul_(2.0)
+        return sorted(s._flats), info["transport"]  # buckets that needed a staging copy
+    net = net.float()  # fp32 destinations: the bf16 tensor is cast on the way in
+    r = WeightReceiver("127.0.0.1", port, rank, world, weight_spec(net), timeout_s=30)
+    params = dict(net.named_parameters())
+    got = []
+    for _ in versions:
+        if rank == 1:
+            v, named = r.receive(into=params)
+            landed = {n: t.data_ptr() == params[n].data_ptr() for n, t in named}
+            got.append((v, checksum(net.named_parameters()), landed, sorted(r._flats)))
+        else:
+            v, named = r.receive()
+            got.append((v, checksum(named), {n: t.data_ptr() for n, t in named}))
+    return got
+
+
 def _worker(rank, world, ports, q):
     """Both scenarios in one process each (process start-up dominates these tests' time)."""
     torch.set_num_threads(1)
@@ -52,6 +92,11 @@ def _worker(rank, world, ports, q):
             out[name] = ("ok", _scenario(rank, world, port, 100 + rank, wide, [3, 4]))
         except Exception as e:  # report to the parent instead of dying silently
             out[name] = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    for name, port, shm in (("big_shm", ports[2], True), ("big_tcp", ports[3], False)):
+        try:
+            out[name] = ("ok", _big_scenario(rank, world, port, [5, 6], shm))
+        except Exception as e:
+            out[name] = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
     q.put((rank, out))
 
 
@@ -60,11 +105,11 @@ def results():
     """{scenario: {rank: (status, payload)}} from 3 processes: sender + 2 receivers."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    ports = [free_port(), free_port()]
+    ports = [free_port() for _ in range(4)]
     procs = [ctx.Process(target=_worker, args=(r, 3, ports, q)) for r in range(3)]
     for p in procs:
         p.start()
-    res: dict = {"good": {}, "mismatch": {}}
+    res: dict = {"good": {}, "mismatch": {}, "big_shm": {}, "big_tcp": {}}
     for _ in procs:
         rank, out = q.get(timeout=120)
         for name, value in out.items():
@@ -97,6 +142,39 @@ def test_broadcast_three_processes_checksums_and_version(results):
         assert [g[1] for g in got] == pytest.approx(expected, rel=1e-12)
         assert got[0][2] == ["a", "b", "c", "d"]
         assert got[0][3]["c"] == "torch.bfloat16" and got[0][3]["a"] == "torch.float32"
+
+
+def test_plan_buckets_sends_large_tensors_alone():
+    spec = weight_spec(_BigNet(0))
+    buckets = plan_buckets(spec, bucket_bytes=4096)
+    # small | big alone | lowp alone (bf16, over DIRECT_BYTES) | tail + tail2 packed
+    assert [b.entries for b in buckets] == [((0, 0, 10),), ((1, 0, spec[1][1][0]),),
+                                            ((2, 0, spec[2][1][0]),), ((3, 0, 21), (4, 21, 5))]
+    # with bigger buckets the small ones still pack, but never with a large one
+    packed = plan_buckets(weight_spec(_Net(0)) + spec, bucket_bytes=64 << 20)
+    assert all(len(b.entries) == 1 for b in packed if b.numel * 4 >= DIRECT_BYTES)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_large_tensors_in_place_and_into_destinations(results, transport):
+    res = results[f"big_{transport}"]
+    assert all(s == "ok" for s, _ in res.values()), res
+    sender = _BigNet(100)
+    expected = [checksum(sender.named_parameters())]
+    with torch.no_grad():
+        sender.big.mul_(2.0)
+    expected.append(checksum(sender.named_parameters()))
+    into, plain = res[1][1], res[2][1]
+    assert [g[0] for g in into] == [g[0] for g in plain] == [5, 6]
+    assert [g[1] for g in into] == pytest.approx(expected, rel=1e-12)
+    assert [g[1] for g in plain] == pytest.approx(expected, rel=1e-12)
+    # the fp32 'big' landed in the parameter itself; bf16 'lowp' was cast into it; all are params
+    assert all(into[0][2].values()) and all(into[1][2].values())
+    # staged buckets: only the packed one on the sender (lone tensors go out in place); the
+    # receiver also stages the bf16 one, which its fp32 parameter cannot take off the wire
+    assert res[0][1] == ([3], "shm" if transport == "shm" else "gloo") and into[1][3] == [2, 3]
+    # without ``into`` the receiver reuses its buffers: no fresh allocation per broadcast
+    assert plain[0][2] == plain[1][2]
 
 
 def test_mismatched_spec_fails_everywhere_with_clear_error(results):
@@ -156,3 +234,41 @@ def test_sender_store_listens_on_its_host_only():
     new = listening() - before  # the store's server, and gloo's own pair listener
     assert ("127.0.0.1", port) in new and {ip for ip, _ in new} == {"127.0.0.1"}
     s.close()
+
+
+def test_ring_only_when_every_receiver_maps_it(monkeypatch):
+    """A receiver that cannot map the sender's shared-memory file (another machine) makes the
+    whole group fall back to gloo over TCP; the file never outlives group formation."""
+    import os
+    import threading
+
+    from cluster.shm_ring import SHM_DIR
+
+    net = _Net(2)
+    spec = weight_spec(net)
+    results = {}
+
+    def receiver(port, rank, blind):
+        r = WeightReceiver("127.0.0.1", port, rank, 3, spec, timeout_s=30)
+        if blind:
+            assert r.ring is None
+        results[rank] = (r.receive()[0], r.ring is not None)
+
+    real_map = WeightReceiver._map_shm
+    monkeypatch.setattr(WeightReceiver, "_map_shm",  # rank 2 plays the remote one
+                        lambda self, offer: False if self.rank == 2 else real_map(self, offer))
+    for blind, want in ((True, "gloo"), (False, "shm")):
+        if not blind:
+            monkeypatch.setattr(WeightReceiver, "_map_shm", real_map)
+        port = free_port()
+        ths = [threading.Thread(target=receiver, args=(port, r, blind)) for r in (1, 2)]
+        for th in ths:
+            th.start()
+        s = WeightSender("127.0.0.1", port, 3, spec, timeout_s=30)
+        assert not [f for f in os.listdir(SHM_DIR) if str(os.getpid()) in f]  # unlinked already
+        info = s.send(net.named_parameters(), 7)
+        for th in ths:
+            th.join(30)
+        s.close()
+        assert info["transport"] == want
+        assert results == {1: (7, want == "shm"), 2: (7, want == "shm")}
