@@ -92,18 +92,74 @@ def launch(actors: list, method: str, items: list, *args) -> list:
             for a, chunk in zip(actors, split(items, len(actors))) if chunk]
 
 
-def launch_rollouts(actors: list, sampler: PromptSampler, version: int) -> list:
+def launch_rollouts(pools, sampler: PromptSampler, version: int) -> list[tuple]:
     """The sampler's next prompts to the rollout actors, tagged with the batch number, which seeds
-    the sampling and names the samples (so a resumed run draws the very same ones)."""
-    problems = sampler.next()
-    return launch(actors, "rollout", problems, version, sampler.drawn)
+    the sampling and names the samples (so a resumed run, or a replacement actor, draws the very
+    same ones). Returns one (actor index, chunk, batch, ref) per call, for ``gather_rollouts``."""
+    problems, batch = sampler.next(), sampler.drawn
+    return [(i, chunk, batch, pools.rollout[i].rollout.remote(chunk, version, batch))
+            for i, chunk in enumerate(split(problems, len(pools.rollout))) if chunk]
 
 
-def gather(refs: list) -> list:
-    """Wait for ``launch``'s calls; their result lists, concatenated in actor order."""
+def gather_rollouts(in_flight: list[tuple], pools, cfg, version: int) -> list:
+    """The rows of ``launch_rollouts``' calls, in actor order. When a rollout actor has died, it
+    is replaced (``cluster.elastic.replace_dead``: the weight group re-forms and every actor gets
+    the learner's current weights) and its chunk is generated again with the same batch number,
+    tagged with the current ``version``, whose weights the replacement holds."""
     import ray
+    from ray.exceptions import RayActorError
 
-    return [row for part in ray.get(refs) for row in part]
+    from cluster.elastic import replace_dead
+
+    rows = []
+    for i, chunk, batch, ref in in_flight:
+        try:
+            rows += ray.get(ref)
+        except RayActorError as err:
+            print(f"[elastic] rollout actor {i} lost ({type(err).__name__}): "
+                  f"{replace_dead(pools, cfg)}", flush=True)
+            rows += ray.get(pools.rollout[i].rollout.remote(chunk, version, batch))
+    return rows
+
+
+def score_pending(pools, cfg, version: int) -> None:
+    """Dense old-policy log-probs for every buffer row waiting for them, split over the scorers.
+    A scorer that died is replaced; the rows it held are released and scored again."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    from cluster.elastic import replace_dead
+
+    for attempt in range(2):
+        pending = ray.get(pools.buffer.pending_scoring.remote(cfg.buffer.capacity))
+        calls = [s.score.remote(part) for s, part in
+                 zip(pools.scorer, split_rows(pending, len(pools.scorer)))]
+        try:
+            for ids, old in ray.get(calls):
+                ray.get(pools.buffer.set_scores.remote(ids, old, version))
+            return
+        except RayActorError as err:
+            if attempt:
+                raise
+            print(f"[elastic] scorer lost ({type(err).__name__}): {replace_dead(pools, cfg)}",
+                  flush=True)
+            ray.get(pools.buffer.release.remote(pending.column("sample_id").to_pylist()))
+
+
+def sync_weights(pools, cfg) -> tuple[int, dict]:
+    """``broadcast_weights``; when a receiver died on the way, replace it (the group re-forms) and
+    send again, so the job goes on without a restart."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    from cluster.elastic import replace_dead
+    from cluster.pools import broadcast_weights
+
+    try:
+        return broadcast_weights(pools)
+    except (RayActorError, RayTaskError) as err:
+        print(f"[elastic] weight broadcast failed ({type(err).__name__}): "
+              f"{replace_dead(pools, cfg)}", flush=True)
+        return broadcast_weights(pools)
 
 
 def batch_metrics(batch, learner_version: int) -> dict:

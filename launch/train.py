@@ -40,8 +40,8 @@ def main(argv: list[str]) -> dict:
     from cluster.pools import broadcast_weights, build_pools, connect_weight_sync
     from cluster.ray_setup import start_ray
     from common.modeling import load_tokenizer
-    from launch.steps import (MetricsLog, PromptSampler, batch_metrics, evaluate, gather,
-                              launch_rollouts, split_groups, split_rows)
+    from launch.steps import (MetricsLog, PromptSampler, batch_metrics, evaluate, gather_rollouts,
+                              launch_rollouts, score_pending, split_groups, sync_weights)
     from tasks import make_task
 
     torch.manual_seed(cfg.run.seed)
@@ -77,19 +77,17 @@ def main(argv: list[str]) -> dict:
     # 6. RL steps. sync: generate, then train. async: the next rollouts are launched before training
     # on the current batch, so generation overlaps the learner step (samples lag one version).
     overlap = cfg.run.mode == RunMode.async_
-    in_flight = [] if state.get("next_batch_in_buffer") else launch_rollouts(pools.rollout, sampler, version)
+    in_flight = [] if state.get("next_batch_in_buffer") else launch_rollouts(pools, sampler, version)
     for step in range(state["step"] + 1, cfg.run.steps + 1):
         t0 = time.time()
         # 6a. Sparse rollouts: G samples per prompt, sampler log-probs, rewards, policy version.
-        rows = gather(in_flight)
+        # (A rollout actor that died is replaced and its share regenerated: cluster/elastic.py.)
+        rows = gather_rollouts(in_flight, pools, cfg, version)
         ray.get(pools.buffer.append.remote(rows))
         t_roll = time.time() - t0
 
         # 6b. Dense scorer: old-policy log-probs for every row waiting for them.
-        pending = ray.get(pools.buffer.pending_scoring.remote(cfg.buffer.capacity))
-        for ids, old in ray.get([s.score.remote(part) for s, part in
-                                 zip(pools.scorer, split_rows(pending, len(pools.scorer)))]):
-            ray.get(pools.buffer.set_scores.remote(ids, old, version))
+        score_pending(pools, cfg, version)
 
         # 6c. A batch of whole groups within the staleness bound -> padded tensors per learner.
         batch = ray.get(pools.buffer.sample_batch.remote(cfg.run.prompts_per_step, version))
@@ -98,7 +96,7 @@ def main(argv: list[str]) -> dict:
         shards = [to_tensors(b, pad_id) for b in split_groups(batch, len(pools.learners))]
         more = step < cfg.run.steps
         if overlap and more:  # async: the next rollouts start now, with the current weights
-            in_flight = launch_rollouts(pools.rollout, sampler, version)
+            in_flight = launch_rollouts(pools, sampler, version)
 
         # 6d. Correction + GRPO/PPO step on every data-parallel learner (DeepSpeed all-reduces).
         metrics = ray.get([lrn.train_step.remote(sh, cfg.rollout.temperature)
@@ -108,9 +106,9 @@ def main(argv: list[str]) -> dict:
 
         # 6e. New weights to every rollout and scorer actor, between generation batches (in async
         # mode the actors take them once their in-flight rollouts finish).
-        version, sync = broadcast_weights(pools)
+        version, sync = sync_weights(pools, cfg)
         if not overlap and more:
-            in_flight = launch_rollouts(pools.rollout, sampler, version)
+            in_flight = launch_rollouts(pools, sampler, version)
 
         # 6f. Metrics: reward, mismatch and correction statistics, timings.
         record = {"step": step, "version": version, **batch_metrics(batch, version),
@@ -125,7 +123,7 @@ def main(argv: list[str]) -> dict:
         # 6g. Checkpoint (every N steps, after the last, on SIGTERM). Rollouts in flight land in
         # the buffer first, so the checkpoint holds them and a resumed run trains on the same rows.
         if stop or checkpoint.due(cfg.run, step):
-            ray.get(pools.buffer.append.remote(gather(in_flight)))
+            ray.get(pools.buffer.append.remote(gather_rollouts(in_flight, pools, cfg, version)))
             ckpt = checkpoint.save(run_dir, cfg, pools, step=step, version=version, sampler=sampler,
                                    accuracy_before=acc_before, next_batch_in_buffer=bool(in_flight))
             in_flight = []

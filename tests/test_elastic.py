@@ -189,6 +189,38 @@ def test_resize_rollout_pool_one_two_one(ray_env, pools_cfg):
         resize_pool(pools, cfg, "learner", 2)
 
 
+@pytest.mark.slow
+def test_driver_regenerates_a_dead_actors_share_and_scores_after_a_scorer_dies(ray_env, pools_cfg):
+    """launch/train.py's helpers: a rollout actor killed while its batch is in flight is replaced
+    and the batch comes back exactly as a healthy actor would have produced it; a dead scorer is
+    replaced and every pending row still gets scored."""
+    ray, _ = ray_env
+    from buffer import BufferConfig, ReplayBuffer
+    from cluster.pools import broadcast_weights
+    from launch.steps import PromptSampler, gather_rollouts, launch_rollouts, score_pending
+
+    pools, cfg = pools_cfg
+    v = train_step(ray, pools, seed=7)
+    broadcast_weights(pools)
+    problems = [Problem(i, f"sum a{i}b2", str(i + 2)) for i in range(4)]
+    healthy = gather_rollouts(launch_rollouts(pools, PromptSampler(problems, 2, 0), v), pools, cfg, v)
+    in_flight = launch_rollouts(pools, PromptSampler(problems, 2, 0), v)
+    ray.kill(pools.rollout[0], no_restart=True)
+    again = gather_rollouts(in_flight, pools, cfg, v)
+    key = lambda rows: [(r["sample_id"], r["response_ids"], r["sampler_logprobs"]) for r in rows]
+    assert key(again) == key(healthy) and len(again) == 4
+    assert_in_sync(ray, pools, v)
+
+    pools.buffer = ray.remote(num_cpus=0)(ReplayBuffer).remote(BufferConfig())
+    cfg.buffer = BufferConfig()
+    ray.get(pools.buffer.append.remote(again))
+    ray.kill(pools.scorer[0], no_restart=True)
+    score_pending(pools, cfg, v)
+    stats = ray.get(pools.buffer.stats.remote())
+    assert stats["scored_rows_live"] == 4 and stats["generated_rows"] == 0
+    assert_in_sync(ray, pools, v)
+
+
 def _await_restart(ray, actor, timeout_s: float = 60.0) -> None:
     """Until the actor answers from its restarted process (fresh: no weight receiver); a call right
     after ``ray.kill`` may still reach the old process, or fail while Ray restarts it."""
