@@ -13,7 +13,13 @@ the call (prefill included), best of ``--repeat`` round-robin rounds. ``peak_kv_
 (what is actually held: ``batch * cap * bytes/token`` with cap = budget + N for sparse policies);
 HF static = its static cache (``batch * (prompt_len + gen_len)`` tokens); HF dynamic = the final
 cache size; vLLM = its measured KV blocks. Ratios ``speed_vs_dense`` and ``kv_vs_dense`` are
-against dense-native of the same model and length, in the same run.
+against dense-native of the same model and length, in the same run. At 2048+ tokens the 25%-budget
+policies are also run with ``compress_every`` = ``--extra-every`` (64): with N = 128 the stored
+tokens are (budget + N) / (prompt + gen_len) = 0.31 of dense at 2048 by construction.
+
+After the table, "bars" prints PASS/FAIL for issue 3's targets: at 2048+ tokens and a 25% budget
+every sparse policy runs >= 2x dense-native's tokens/s with <= 30% of its KV bytes, and dense-native
+runs at least as fast as HF ``generate`` with a static cache.
 
 Models: ``tiny`` = ``.cache/models/tiny-base`` when present, else a random-weight Qwen2 of the same
 size class (hidden 256, 4 layers); ``mid`` = a random-weight model of the tiny model's architecture
@@ -41,8 +47,9 @@ from actors.native import NativeEngine  # noqa: E402
 from common.modeling import load_model  # noqa: E402
 
 POLICIES = ("streaming", "h2o", "snapkv", "rkv")
-FIELDS = ("model", "engine", "policy", "budget_frac", "budget", "gen_len", "batch", "tok_per_s",
-          "peak_kv_bytes", "speed_vs_dense", "kv_vs_dense", "seconds")
+FIELDS = ("model", "engine", "policy", "budget_frac", "budget", "compress_every", "gen_len", "batch",
+          "tok_per_s", "peak_kv_bytes", "speed_vs_dense", "kv_vs_dense", "seconds", "params")
+BAR_SPEED, BAR_KV, BAR_MIN_LEN, BAR_FRAC = 2.0, 0.30, 2048, 0.25
 
 
 def model_dirs(names: list[str], tmp: Path) -> dict[str, Path]:
@@ -86,6 +93,7 @@ def run_native(model, ps, gen_len: int, policy: str, frac: float | None, every: 
     dt = time.perf_counter() - t0
     toks = sum(len(o.response_ids) for o in outs)
     return {"engine": "native", "policy": policy, "budget_frac": frac or 1.0, "budget": budget,
+            "compress_every": every if policy != "dense" else 0,
             "tok_per_s": toks / dt, "peak_kv_bytes": eng.last_stats["allocated_kv_bytes"],
             "seconds": dt}
 
@@ -108,7 +116,7 @@ def run_hf(model, ps, gen_len: int, cache: str) -> dict:
     toks = (out.shape[1] - ids.shape[1]) * ids.shape[0]
     kv = ids.shape[0] * (ids.shape[1] + gen_len) * kv_bytes_per_token(model)
     return {"engine": f"hf-{cache}", "policy": "dense", "budget_frac": 1.0, "budget": 0,
-            "tok_per_s": toks / dt, "peak_kv_bytes": kv, "seconds": dt}
+            "compress_every": 0, "tok_per_s": toks / dt, "peak_kv_bytes": kv, "seconds": dt}
 
 
 def run_vllm(path: Path, ps, gen_len: int, policy: str = "dense",
@@ -129,7 +137,7 @@ def run_vllm(path: Path, ps, gen_len: int, policy: str = "dense",
     outs = eng.generate(ps, SamplingParams(max_new_tokens=gen_len, seed=0))
     dt = time.perf_counter() - t0
     return {"engine": "vllm", "policy": policy, "budget_frac": frac or 1.0, "budget": budget,
-            "tok_per_s": sum(len(o.response_ids) for o in outs) / dt,
+            "compress_every": 0, "tok_per_s": sum(len(o.response_ids) for o in outs) / dt,
             "peak_kv_bytes": eng.last_stats.get("peak_kv_bytes", 0), "seconds": dt}
 
 
@@ -158,16 +166,24 @@ def bench(args) -> list[dict]:
         for name, path in model_dirs(args.models, Path(tmp)).items():
             model = load_model(path)
             vocab = model.config.vocab_size
+            params = sum(p.numel() for p in model.parameters())
+            print(f"# {name}: {model.config.model_type} hidden {model.config.hidden_size} x "
+                  f"{model.config.num_hidden_layers} layers, {params / 1e6:.1f}M parameters",
+                  flush=True)
             run_native(model, prompts(2, 8, vocab), 8, "dense", None, 128)          # warm-up
             for gen_len in args.lengths:
                 batch = args.batch if gen_len <= 2048 else max(1, args.batch // 4)
                 ps = prompts(batch, args.prompt_len, vocab)
-                base = {"model": name, "gen_len": gen_len, "batch": batch}
+                base = {"model": name, "gen_len": gen_len, "batch": batch, "params": params}
                 jobs = [lambda: run_native(model, ps, gen_len, "dense", None, args.every)]
                 for frac in args.budgets:
                     for policy in args.policies:
                         jobs.append(lambda f=frac, p=policy: run_native(model, ps, gen_len, p, f,
                                                                          args.every))
+                if gen_len >= BAR_MIN_LEN and args.extra_every and BAR_FRAC in args.budgets:
+                    for policy in args.policies:
+                        jobs.append(lambda p=policy: run_native(model, ps, gen_len, p, BAR_FRAC,
+                                                                args.extra_every))
                 if gen_len <= args.peer_max_len:
                     for cache in args.hf:
                         jobs.append(lambda c=cache: run_hf(model, ps, gen_len, c))
@@ -188,7 +204,7 @@ def bench(args) -> list[dict]:
 
 
 COLUMNS = (("model", 5, "{}"), ("engine", 11, "{}"), ("policy", 9, "{}"),
-           ("budget_frac", 11, "{:.3f}"), ("budget", 6, "{}"), ("gen_len", 7, "{}"),
+           ("budget_frac", 11, "{:.3f}"), ("budget", 6, "{}"), ("N", 4, "{}"), ("gen_len", 7, "{}"),
            ("batch", 5, "{}"), ("tok_per_s", 9, "{:.0f}"), ("peak_kv_MiB", 11, "{:.2f}"),
            ("speed_vs_dense", 14, "{:.2f}x"), ("kv_vs_dense", 11, "{:.3f}"), ("seconds", 7, "{:.1f}"))
 HEADER = " ".join(f"{name:>{w}}" if i > 2 else f"{name:<{w}}"
@@ -196,10 +212,44 @@ HEADER = " ".join(f"{name:>{w}}" if i > 2 else f"{name:<{w}}"
 
 
 def fmt_row(r: dict) -> str:
-    vals = dict(r, peak_kv_MiB=r["peak_kv_bytes"] / 2**20)
+    vals = dict(r, peak_kv_MiB=r["peak_kv_bytes"] / 2**20, N=r["compress_every"] or "-")
     cells = [f.format(vals[name]) for name, _, f in COLUMNS]
     return " ".join(f"{c:>{w}}" if i > 2 else f"{c:<{w}}"
                     for i, (c, (_, w, _)) in enumerate(zip(cells, COLUMNS)))
+
+
+def bars(rows: list[dict]) -> list[tuple[str, bool]]:
+    """Issue 3's targets as (line, passed), within one model and length of this run."""
+    out = []
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["gen_len"]), []).append(r)
+    for (model, gen_len), rs in groups.items():
+        dense = next(r for r in rs if r["engine"] == "native" and r["policy"] == "dense")
+        if gen_len >= BAR_MIN_LEN:
+            for r in rs:
+                if r["engine"] != "native" or r["policy"] == "dense" or \
+                        abs(r["budget_frac"] - BAR_FRAC) > 1e-9:
+                    continue
+                tag = f"{model} {gen_len} {r['policy']:<9} N={r['compress_every']:<3}"
+                out.append((f"{tag} speed {r['speed_vs_dense']:.2f}x dense-native (>= "
+                            f"{BAR_SPEED:.0f}x)", r["speed_vs_dense"] >= BAR_SPEED))
+                out.append((f"{tag} KV {r['kv_vs_dense']:.3f} of dense (<= {BAR_KV:.2f})",
+                            r["kv_vs_dense"] <= BAR_KV))
+        for r in rs:
+            if r["engine"] == "hf-static":
+                out.append((f"{model} {gen_len} dense-native {dense['tok_per_s']:.0f} tok/s >= "
+                            f"hf-static {r['tok_per_s']:.0f}", dense["tok_per_s"] >= r["tok_per_s"]))
+    return out
+
+
+def print_bars(rows: list[dict]) -> None:
+    found = bars(rows)
+    print(f"\nbars ({sum(ok for _, ok in found)}/{len(found)} pass)")
+    if not any(r["gen_len"] >= BAR_MIN_LEN for r in rows):
+        print(f"  (speed and KV bars need gen_len >= {BAR_MIN_LEN} with budget {BAR_FRAC})")
+    for line, ok in found:
+        print(f"  {'PASS' if ok else 'FAIL'}  {line}")
 
 
 def parse(argv=None):
@@ -213,6 +263,8 @@ def parse(argv=None):
     ap.add_argument("--batch", type=int, default=16, help="batch (a quarter of it above 2048)")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--every", type=int, default=128, help="compress_every (N)")
+    ap.add_argument("--extra-every", type=int, default=64,
+                    help="also run the 25%%-budget policies with this N at 2048+ tokens (0: off)")
     ap.add_argument("--hf", default="static,dynamic", help="HF generate peers ('' for none)")
     ap.add_argument("--peer-max-len", type=int, default=2048, help="longest gen_len for peers")
     ap.add_argument("--no-vllm", dest="vllm", action="store_false")
@@ -234,6 +286,7 @@ def main(argv=None) -> list[dict]:
     args = parse(argv)
     print(HEADER, flush=True)
     rows = bench(args)
+    print_bars(rows)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps([{k: r[k] for k in FIELDS} for r in rows], indent=1))

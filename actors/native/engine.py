@@ -38,7 +38,7 @@ from actors.config import KVConfig, KVPolicy
 from actors.engine import GenerationOutput, SamplingParams
 from actors.native import policies
 from actors.native.kvcache import KVStore
-from actors.native.model import Decoder, attend
+from actors.native.model import Decoder, RopeTable, attend, decode_attend
 from actors.native.sampling import sample
 from actors.native.stops import StopMatcher, tokenizer_decoder
 
@@ -103,6 +103,7 @@ class NativeEngine:
         if not prompts or params.max_new_tokens <= 0:
             return st.outputs(0)
         cap = self._capacity(max(len(p) for p in prompts), params.max_new_tokens)
+        rope = RopeTable(self.dec, max(len(p) for p in prompts) + params.max_new_tokens, dev)
         stop = torch.tensor(sorted(set(int(t) for t in params.stop_token_ids)), dtype=torch.long,
                             device=dev)
         queue = list(range(len(prompts)))
@@ -134,7 +135,7 @@ class NativeEngine:
             full = (store.n >= store.cap).nonzero().squeeze(-1)
             if full.numel():
                 self._compress(store, full, seen, st)
-            logits = self._decode_step(tok, seen, store)
+            logits = self._decode_step(tok, seen, store, rope)
             st.account(st.ids, store.n, seen + 1)
             seen = seen + 1
         outs = st.outputs(self.bytes_per_token)
@@ -226,26 +227,31 @@ class NativeEngine:
         st.account(ids, store.n, lens, first=True)
         return dec.logits(x[torch.arange(b, device=dev), lens_d - 1])
 
-    def _decode_step(self, tok: torch.Tensor, seen: torch.Tensor, store: KVStore) -> torch.Tensor:
+    def _decode_step(self, tok: torch.Tensor, seen: torch.Tensor, store: KVStore,
+                     rope: RopeTable) -> torch.Tensor:
+        """One token per row through every layer. Everything shared by the layers (RoPE rows, the
+        additive mask, the cache cells to write) is built once here; each layer then runs a few
+        fused kernels (``Decoder.step_qkv``, ``decode_attend``, ``Decoder.step_finish``)."""
         dec, dev = self.dec, self.device
         seen_d, slot = seen.to(dev), store.n.to(dev)
-        x = dec.embed(tok[:, None])
-        cos, sin = dec.rope(x, seen_d[:, None])
+        x = dec.embed(tok)
+        cos, sin = rope.at(seen_d)
         n1 = store.n + 1
         s = int(n1.max())
-        mask = (torch.arange(s, device=dev)[None] < (slot + 1)[:, None])[:, None, None, None, :]
+        bias = torch.zeros(slot.shape[0], s, dtype=dec.dtype, device=dev).masked_fill_(
+            torch.arange(s, device=dev)[None] > slot[:, None], float("-inf"))
+        bias = bias.repeat_interleave(dec.n_kv, dim=0)[:, None]           # [B*Hkv,1,s]
+        index = store.step_index(slot, seen_d)
         want = self.policy == KVPolicy.h2o
         for i in range(dec.n_layers):
-            q, k, v = dec.qkv(i, x, cos, sin)
-            store.append(i, k, v, seen_d, slot)
-            store.push_query(i, q, seen_d)
-            out, probs = attend(q, store.k[i][:, :, :s], store.v[i][:, :, :s], mask, dec.scaling,
-                                want_probs=want)
+            q, k, v = dec.step_qkv(i, x, cos, sin)
+            store.append_step(i, k, v, q, index)
+            out, probs = decode_attend(q, store.k[i], store.v[i], s, bias, dec.scaling, want)
             if want:
-                store.acc[i][:, :, :s] += probs.sum(dim=(2, 3))
-            x = dec.finish(i, x, out)
+                store.acc[i][:, :, :s] += probs.sum(dim=2)
+            x = dec.step_finish(i, x, out)
         store.n = n1
-        return dec.logits(x[:, 0])
+        return dec.step_logits(x)
 
     def _compress_layer(self, store: KVStore, i: int, rows: torch.Tensor,
                         seen: torch.Tensor) -> torch.Tensor:

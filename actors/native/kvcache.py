@@ -60,22 +60,32 @@ class KVStore:
             self.acc[i].zero_()
             self.acc[i][:, :, :s] = acc
 
-    def append(self, i: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-               slot: torch.Tensor) -> None:
-        """Write one token per row at slot[b] (= n[b], on the device) of layer i.
-        k, v [B,Hkv,1,D]; pos [B] absolute positions."""
-        rows = torch.arange(k.shape[0], device=self.device)
-        self.k[i][rows, :, slot] = k[:, :, 0]
-        self.v[i][rows, :, slot] = v[:, :, 0]
-        self.pos[i][rows, :, slot] = pos[:, None]
-        if self.acc is not None:
-            self.acc[i][rows, :, slot] = 0.0
-
-    def push_query(self, i: int, q: torch.Tensor, pos: torch.Tensor) -> None:
-        """Remember the rotated query [B,Hq,1,D] of position pos [B] in the observation ring."""
+    def step_index(self, slot: torch.Tensor, pos: torch.Tensor):
+        """Flat indices of one decode step, shared by every layer: (row, KV head) -> the cell of
+        slot[b] in a layer viewed as [B*Hkv*cap], the positions to write there, and (row, query
+        head) -> the ring cell of position pos[b] (SnapKV / R-KV). One ``index_copy_`` per tensor
+        and layer then replaces a broadcast advanced-index assignment."""
+        b, hkv = slot.shape[0], self.k[0].shape[1]
+        base = torch.arange(b * hkv, device=self.device).view(b, hkv) * self.cap
+        cells = (base + slot[:, None]).view(-1)
+        ring = None
         if self.qwin is not None:
-            rows = torch.arange(q.shape[0], device=self.device)
-            self.qwin[i][rows, :, pos % self.obs_window] = q[:, :, 0]
+            hq, w = self.qwin[0].shape[1], self.obs_window
+            rbase = torch.arange(b * hq, device=self.device).view(b, hq) * w
+            ring = (rbase + (pos % w)[:, None]).view(-1)
+        return cells, pos.repeat_interleave(hkv), ring
+
+    def append_step(self, i: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, index) -> None:
+        """Decode step of layer i: k, v [B,Hkv,D] into their slots; q [B,Hq,D] into the ring."""
+        cells, pos, ring = index
+        d = k.shape[-1]
+        self.k[i].view(-1, d).index_copy_(0, cells, k.reshape(-1, d))
+        self.v[i].view(-1, d).index_copy_(0, cells, v.reshape(-1, d))
+        self.pos[i].view(-1).index_copy_(0, cells, pos)
+        if self.acc is not None:
+            self.acc[i].view(-1).index_fill_(0, cells, 0.0)
+        if ring is not None:
+            self.qwin[i].view(-1, d).index_copy_(0, ring, q.reshape(-1, d))
 
     def fill_window(self, i: int, q: torch.Tensor, lens: torch.Tensor) -> None:
         """After prefill: ring slot p % w of row b holds the query of position p, for the last w

@@ -47,6 +47,8 @@ def rms_norm(module, x: torch.Tensor) -> torch.Tensor:
     eps = getattr(module, "variance_epsilon", None)
     if eps is None:
         return module(x)
+    if x.dtype == torch.float32 and module.weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), module.weight, eps=eps)   # one kernel, same math
     y = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
     return module.weight * y
 
@@ -79,6 +81,62 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out, (probs if want_probs else None)
 
 
+def decode_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: int, bias: torch.Tensor,
+                  scaling: float, want_probs: bool = False):
+    """One query per row against the first s cache slots (the decode step; same math as ``attend``).
+
+    q [B,Hq,D]; k, v [B,Hkv,cap,D] (the whole cache: the slice is a view, read in place); bias
+    [B*Hkv,1,s] additive mask (0 or -inf) built once per step for every layer. Returns (out [B,Hq*D],
+    probs [B,Hkv,g,s] float32 or None). Scale and mask go into one ``baddbmm`` and the batch is
+    flattened to (row, KV head) so each step runs three kernels per layer instead of a dozen.
+    """
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    kk = k[:, :, :s].reshape(b * hkv, s, d)            # views: rows are [Hkv*cap*D] apart
+    vv = v[:, :, :s].reshape(b * hkv, s, d)
+    scores = torch.baddbmm(bias, q.reshape(b * hkv, g, d), kk.transpose(1, 2), alpha=scaling)
+    probs = torch.softmax(scores.float(), dim=-1)
+    out = torch.bmm(probs.to(v.dtype), vv).view(b, hq * d)
+    return out, (probs.view(b, hkv, g, s) if want_probs else None)
+
+
+class RopeTable:
+    """cos / sin rows of every position a generation call can reach, computed once with the model's
+    own rotary module; a decode step then gathers one row per sequence instead of running it.
+    ``sin`` is stored with the rotate-half sign folded in (first half negated) so that
+    ``rotate(x) = x * cos + roll(x, D/2) * sin``. Rope types whose tables depend on the sequence
+    length (dynamic NTK, LongRoPE) are recomputed per step by the module."""
+
+    STATIC = ("default", "linear", "llama3", "yarn")
+
+    def __init__(self, dec: "Decoder", n: int, device):
+        params = getattr(dec.hf.config, "rope_parameters", None) or {}
+        self.dec, self.table = dec, None
+        x = torch.zeros(1, 1, dec.hidden, dtype=dec.dtype, device=device)
+        if params.get("rope_type", "default") in self.STATIC:
+            cos, sin = dec.rope(x, torch.arange(n, device=device)[None])
+            self.table = (cos[0], self._signed(sin[0]))
+        self.x = x
+
+    @staticmethod
+    def _signed(sin: torch.Tensor) -> torch.Tensor:
+        half = sin.shape[-1] // 2
+        return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+    def at(self, pos: torch.Tensor):
+        """cos, signed sin [B,D] for positions pos [B]."""
+        if self.table is not None:
+            return self.table[0][pos], self.table[1][pos]
+        cos, sin = self.dec.rope(self.x.expand(pos.shape[0], 1, -1), pos[:, None])
+        return cos[:, 0], self._signed(sin[:, 0])
+
+
+def rotate_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of x [B,H,D] at one position per row (cos, signed sin [B,D]; see ``RopeTable``)."""
+    return x * cos[:, None] + x.roll(x.shape[-1] // 2, dims=-1) * sin[:, None]
+
+
 class Decoder:
     """Functional view of an HF causal LM. Holds references to the HF modules (weights are shared,
     so ``load_weights`` on the HF model is seen here)."""
@@ -102,6 +160,8 @@ class Decoder:
         self.qk_norm = hasattr(attn, "q_norm")
         self.dtype = next(hf_model.parameters()).dtype
         self.sizes = (self.n_heads * self.head_dim, self.n_kv * self.head_dim)
+        self.hidden = cfg.hidden_size
+        self._sig, self.wt = None, None
         self.refresh()
 
     def refresh(self) -> None:
@@ -113,6 +173,34 @@ class Decoder:
             a, mlp = layer.self_attn, layer.mlp
             self.qkv_w.append(fuse_linears([a.q_proj, a.k_proj, a.v_proj]))
             self.gate_up.append(fuse_linears([mlp.gate_proj, mlp.up_proj]))
+        # On CPU, MKL multiplies a few rows by a pre-transposed [in, out] weight 1.3-3x faster than
+        # by the [out, in] weight F.linear passes (measured for 16 rows at hidden 128-768), so the
+        # decode step keeps transposed copies (twice the weight memory, CPU only). They are rebuilt
+        # whenever a parameter moved (data_ptr) or was written in place (_version), e.g. by
+        # ``load_weights``, so they never go stale.
+        if next(self.hf.parameters()).device.type != "cpu":
+            self.wt = None
+            return
+        sig = tuple((p.data_ptr(), p._version) for p in self.hf.parameters())
+        if sig != self._sig:
+            self._sig, self.wt = sig, self._transposed()
+
+    def _transposed(self) -> list:
+        t = lambda w, b=None: (w.detach().t().contiguous(), None if b is None else b.detach())  # noqa
+        out = []
+        for i, layer in enumerate(self.layers):
+            o, mlp = layer.self_attn.o_proj, layer.mlp
+            out.append((t(*self.qkv_w[i]), t(o.weight, o.bias), t(*self.gate_up[i]),
+                        t(mlp.down_proj.weight, mlp.down_proj.bias)))
+        out.append(t(self.lm_head.weight, getattr(self.lm_head, "bias", None)))
+        return out
+
+    def _lin(self, x: torch.Tensor, i: int, j: int, w: torch.Tensor, b=None) -> torch.Tensor:
+        """Linear j (0 qkv, 1 o_proj, 2 gate_up, 3 down) of layer i for 2-D x."""
+        if self.wt is None:
+            return F.linear(x, w, b)
+        wt, bias = self.wt[i][j]
+        return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor):
         """cos, sin [B,T,D] for absolute positions [B,T]."""
@@ -143,6 +231,38 @@ class Decoder:
         gate, up = F.linear(rms_norm(layer.post_attention_layernorm, x),
                             *self.gate_up[i]).chunk(2, dim=-1)
         return x + mlp.down_proj(mlp.act_fn(gate) * up)
+
+    # ---- one decode step: x is [B,H] (one token per row), no sequence axis ------------------------
+    def step_qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """[B,H] -> rotated q [B,Hq,D], rotated k [B,Hkv,D], v [B,Hkv,D] (cos/sin from RopeTable)."""
+        layer = self.layers[i]
+        b, d, hq = x.shape[0], self.head_dim, self.n_heads
+        nq, nkv = self.sizes
+        qkv = self._lin(rms_norm(layer.input_layernorm, x), i, 0, *self.qkv_w[i])
+        v = qkv[:, nq + nkv:].view(b, -1, d)
+        if self.qk_norm:
+            a = layer.self_attn
+            q = rotate_rows(rms_norm(a.q_norm, qkv[:, :nq].view(b, hq, d)), cos, sin)
+            return q, rotate_rows(rms_norm(a.k_norm, qkv[:, nq:nq + nkv].view(b, -1, d)), cos, sin), v
+        qk = rotate_rows(qkv[:, :nq + nkv].view(b, -1, d), cos, sin)   # q and k heads together
+        return qk[:, :hq], qk[:, hq:], v
+
+    def step_finish(self, i: int, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """``finish`` for x [B,H] and attention output [B,Hq*D]."""
+        layer = self.layers[i]
+        o, mlp = layer.self_attn.o_proj, layer.mlp
+        x = x + self._lin(attn_out, i, 1, o.weight, o.bias)
+        gate, up = self._lin(rms_norm(layer.post_attention_layernorm, x), i, 2,
+                             *self.gate_up[i]).chunk(2, dim=-1)
+        return x + self._lin(mlp.act_fn(gate) * up, i, 3, mlp.down_proj.weight, mlp.down_proj.bias)
+
+    def step_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``logits`` for x [B,H]."""
+        if self.wt is None:
+            return self.logits(x)
+        wt, b = self.wt[-1]
+        h = rms_norm(self.norm, x)
+        return (torch.mm(h, wt) if b is None else torch.addmm(b, h, wt)).float()
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(rms_norm(self.norm, x)).float()
