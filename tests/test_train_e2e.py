@@ -26,8 +26,11 @@ def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_train_runs_end_to_end(tiny_model, tmp_path, mode):
     steps = 3
+    # async runs with the staleness split (launch/configs/async.yaml's keys)
+    split = ["rollout.dense_logprobs=true", "correction.staleness.enabled=true"] \
+        if mode == "async" else []
     proc = _run([f"run.mode={mode}", f"rollout.model_path={tiny_model}", f"run.steps={steps}",
-                 *SMALL_JOB, f"run.out_dir={tmp_path / 'runs'}"], tmp_path)
+                 *SMALL_JOB, *split, f"run.out_dir={tmp_path / 'runs'}"], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("held-out accuracy: ") and " -> " in last
@@ -46,6 +49,7 @@ def test_train_runs_end_to_end(tiny_model, tmp_path, mode):
     # (generated while the previous step trained), except the very first batch.
     lags = [r["batch/staleness_max"] for r in train]
     assert lags == ([0] * steps if mode == "sync" else [0] + [1] * (steps - 1))
+    assert [r["correction/staleness_split"] for r in train] == [float(mode == "async")] * steps
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["version"] == steps
     assert (run_dir / "final" / "config.json").is_file()
