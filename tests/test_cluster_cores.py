@@ -50,6 +50,7 @@ def local_ray(tmp_path, monkeypatch):
     ray.shutdown()
 
 
+@pytest.mark.slow
 def test_pinning_applies_inside_the_actor_process(local_ray):
     ray = local_ray
     cores = [LAST]
