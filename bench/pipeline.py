@@ -202,6 +202,12 @@ def main(argv=None) -> list[dict]:
 def bars(rows: list[dict]) -> list[str]:
     """Issue 6's bars, one verdict line each, from whichever rows were measured."""
     out = []
+    pipe = [r for r in rows if r["bench"] == "pipeline"]
+    best = {m: min((r["step_s"] for r in pipe if r["variant"].endswith(m)), default=None)
+            for m in ("/sync", "/async")}
+    if None not in best.values():  # pinning slows sync (rollouts get half the cores): say so
+        out.append(f"(info) fastest async / fastest sync over layouts: "
+                   f"{best['/async'] / best['/sync']:.2f}x")
     for r in rows:
         if r["bench"] == "pipeline" and r["variant"].endswith("/async"):
             ok = r["vs_sync"] <= 0.75
