@@ -161,23 +161,18 @@ class RolloutActor:
 
     def init_weight_sync(self, host: str, port: int, rank: int, world_size: int,
                          timeout_s: float = 300.0) -> None:
-        """Join the weight-sync group as ``rank`` (a collective with the learner and other actors);
-        ``timeout_s`` bounds the join and every later ``sync_weights``, so a dead peer is an error."""
-        from cluster.weight_sync import WeightReceiver
+        """Join (or re-join) the weight-sync group as ``rank``; see actors.weights."""
+        from actors.weights import join_weight_sync
 
-        if self._receiver is not None:  # re-forming (actor restart / pool resize): leave the old one
-            self._receiver.close()
-            self._receiver = None  # a failed join below must not leave a closed receiver behind
-        self._receiver = WeightReceiver(host, port, rank, world_size, self.weight_spec(),
-                                        timeout_s=float(timeout_s))
+        old, self._receiver = self._receiver, None  # a failed join must not leave a closed one
+        self._receiver = join_weight_sync(old, host, port, rank, world_size, self.weight_spec(),
+                                          timeout_s)
 
     def sync_weights(self) -> int:
         """Receive one broadcast (a collective with the learner's send) and swap the weights."""
-        if self._receiver is None:
-            raise RuntimeError("sync_weights called before init_weight_sync")
-        version, named = self._receiver.receive()
-        self.load_weights(named, version)
-        return version
+        from actors.weights import receive_weights
+
+        return receive_weights(self._receiver, self.load_weights)
 
     def load_weights(self, named_tensors, version: int) -> None:
         self.engine.load_weights(named_tensors, version)
