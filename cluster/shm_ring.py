@@ -45,9 +45,14 @@ class ShmRing:
         if token is None:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
-                os.ftruncate(fd, size)
-            finally:
+                # reserve the pages now: a tmpfs that runs out later (Ray's object store shares
+                # /dev/shm) would kill the writer with SIGBUS; here it is an OSError -> TCP
+                os.posix_fallocate(fd, 0, size)
+            except OSError:
                 os.close(fd)
+                os.unlink(path)
+                raise
+            os.close(fd)
         elif os.path.getsize(path) != size:
             raise ValueError(f"{path}: size {os.path.getsize(path)}, expected {size}")
         self.buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)

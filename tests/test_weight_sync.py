@@ -272,3 +272,27 @@ def test_ring_only_when_every_receiver_maps_it(monkeypatch):
         s.close()
         assert info["transport"] == want
         assert results == {1: (7, want == "shm"), 2: (7, want == "shm")}
+
+
+def test_full_shared_memory_falls_back_to_tcp(monkeypatch):
+    """No room in /dev/shm (the reservation fails) is TCP, not a SIGBUS later; no file is left."""
+    import errno
+    import os
+    import threading
+
+    from cluster.shm_ring import SHM_DIR
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    net = _Net(3)
+    spec, got, port = weight_spec(net), [], free_port()
+    th = threading.Thread(target=lambda: got.append(
+        WeightReceiver("127.0.0.1", port, 1, 2, spec, timeout_s=30).receive()[0]))
+    th.start()
+    s = WeightSender("127.0.0.1", port, 2, spec, timeout_s=30)
+    assert s.ring is None and not [f for f in os.listdir(SHM_DIR) if str(os.getpid()) in f]
+    assert s.send(net.named_parameters(), 9)["transport"] == "gloo"
+    th.join(30)
+    assert got == [9]
