@@ -253,6 +253,8 @@ class _Group:
         try:
             self.ring = ShmRing(path, slot_bytes_for(total))
         except (OSError, RuntimeError):  # no room in /dev/shm, no permission: TCP it is
+            if os.path.exists(path):
+                os.unlink(path)
             return None
         return {"path": path, "slot_bytes": self.ring.slot_bytes, "token": self.ring.token}
 
