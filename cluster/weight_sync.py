@@ -323,7 +323,8 @@ class WeightSender(_Group):
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
         """Broadcast the weights (in any order; matched by name against the spec) tagged ``version``.
 
-        Returns {"bytes": ..., "buckets": ...} for logging.
+        Returns {"bytes": ..., "buckets": ..., "transport": "shm" | backend} for logging. The
+        tensors must stay unchanged until it returns (lone ones are read in place).
         """
         by_name = dict(named_tensors)
         missing = [n for n, _, _ in self.spec if n not in by_name]
