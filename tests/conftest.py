@@ -32,3 +32,20 @@ def train_env(home: Path) -> dict:
 SMALL_JOB = ["run.eval_problems=8", "run.prompts_per_step=4", "rollout.samples_per_prompt=4",
              "rollout.max_new_tokens=24", "rollout.kv.budget=16", "rollout.kv.compress_every=4",
              "scorer.num_actors=1", "rollout.num_actors=2", "correction.loss.entropy_coef=0.01"]
+
+
+@pytest.fixture(scope="session")
+def learner_model_dir(tmp_path_factory) -> Path:
+    """learner.testing's tiny model, for learner tests (built once per session)."""
+    from learner.testing import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def learner_batch(learner_model_dir) -> dict:
+    """3 groups of 4 rows, padded tensors as the learner takes them, scored by that model."""
+    from common.modeling import load_model
+    from learner.testing import make_batch
+
+    return make_batch(num_groups=3, group_size=4, model=load_model(learner_model_dir))

@@ -13,7 +13,7 @@ from common.modeling import checksum, load_model
 from correction import CorrectionConfig
 from learner.config import LearnerConfig, LRSchedule
 from learner.learner import Learner, lr_lambda
-from learner.testing import make_batch, make_tiny_model
+from learner.testing import make_batch
 
 torch.set_num_threads(1)
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache",
@@ -21,14 +21,14 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(__fil
 _PORT = 29731  # DeepSpeed's default group is created once per process; later learners reuse it
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+@pytest.fixture
+def model_dir(learner_model_dir):
+    return learner_model_dir
 
 
-@pytest.fixture(scope="module")
-def batch(model_dir):
-    return make_batch(num_groups=3, group_size=4, model=load_model(model_dir))
+@pytest.fixture
+def batch(learner_batch):
+    return learner_batch
 
 
 def _learner(model_dir, **kw) -> Learner:

@@ -162,18 +162,6 @@ def test_rollout_dense_logprobs_equal_the_scorer_at_the_same_weights(tiny_dir, t
 
 # ---- learner ------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from learner.testing import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def batch(model_dir):
-    from learner.testing import make_batch
-
-    return make_batch(num_groups=3, group_size=4, model=load_model(model_dir))
 
 
 def _step(model_dir, batch, staleness: bool, normalize: bool = True):
@@ -202,7 +190,8 @@ def _lagged(batch, delta: torch.Tensor, lag: int) -> dict:
     return b
 
 
-def test_split_at_lag_zero_takes_the_plain_step(model_dir, batch):
+def test_split_at_lag_zero_takes_the_plain_step(learner_model_dir, learner_batch):
+    model_dir, batch = learner_model_dir, learner_batch
     plain, w_plain = _step(model_dir, batch, staleness=False)
     b = dict(batch, **{COL: batch["old_logprobs"].clone()})   # pi_dense^v == pi_dense^n
     split, w_split = _step(model_dir, b, staleness=True)
@@ -218,7 +207,8 @@ def test_split_at_lag_zero_takes_the_plain_step(model_dir, batch):
     assert fallback["correction/staleness_split"] == 0.0 and fallback["loss"] == plain["loss"]
 
 
-def test_split_at_lag_one_scales_by_the_staleness_ratio(model_dir, batch):
+def test_split_at_lag_one_scales_by_the_staleness_ratio(learner_model_dir, learner_batch):
+    model_dir, batch = learner_model_dir, learner_batch
     """Closed forms with a uniform shift delta = 0.3 (u = e^-0.3, inside [0.5, 2]): without
     normalisation every weight, hence the loss and the gradient, is multiplied by u; with it the
     constant factor cancels and the step is the plain one."""
@@ -237,7 +227,8 @@ def test_split_at_lag_one_scales_by_the_staleness_ratio(model_dir, batch):
         torch.testing.assert_close(w_norm[n], w_plain[n], rtol=1e-4, atol=2e-5)
 
 
-def test_split_truncates_large_staleness_ratios(model_dir, batch):
+def test_split_truncates_large_staleness_ratios(learner_model_dir, learner_batch):
+    model_dir, batch = learner_model_dir, learner_batch
     """delta = -1 on every other response token: u = e > upper 2 there, truncated to 2 (lag 1:
     bounds [0.5, 2]); weight_mean is the closed-form mean of min(u, 2) over kept tokens."""
     resp = batch["response_mask"].bool()
