@@ -14,8 +14,9 @@ the call (prefill included), best of ``--repeat`` round-robin rounds. ``peak_kv_
 HF static = its static cache (``batch * (prompt_len + gen_len)`` tokens); HF dynamic = the final
 cache size; vLLM = its measured KV blocks. Ratios ``speed_vs_dense`` and ``kv_vs_dense`` are
 against dense-native of the same model and length, in the same run. At 2048+ tokens the 25%-budget
-policies are also run with ``compress_every`` = ``--extra-every`` (64): with N = 128 the stored
-tokens are (budget + N) / (prompt + gen_len) = 0.31 of dense at 2048 by construction.
+policies are also run with ``compress_every`` = ``--extra-every`` (64) where N = 128 cannot meet the
+KV bar: the stored tokens are (budget + N) / (prompt + gen_len) = 0.31 of dense at 2048 by
+construction (0.265 at 8192).
 
 After the table, "bars" prints PASS/FAIL for issue 3's targets: at 2048+ tokens and a 25% budget
 every sparse policy runs >= 2x dense-native's tokens/s with <= 30% of its KV bytes, and dense-native
@@ -126,6 +127,10 @@ def run_vllm(path: Path, ps, gen_len: int, policy: str = "dense",
     window's block granularity does not dominate at these lengths."""
     if importlib.util.find_spec("vllm") is None:
         return None
+    import os
+
+    # tiny-base declares 1024 positions; like the native engine and HF, let vLLM extrapolate RoPE
+    os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     from actors.vllm import VLLMEngine
 
     budget = 0 if policy == "dense" else max(16, int(frac * gen_len))
@@ -180,7 +185,10 @@ def bench(args) -> list[dict]:
                     for policy in args.policies:
                         jobs.append(lambda f=frac, p=policy: run_native(model, ps, gen_len, p, f,
                                                                          args.every))
-                if gen_len >= BAR_MIN_LEN and args.extra_every and BAR_FRAC in args.budgets:
+                # the extra N only where N = --every cannot meet the KV bar by construction
+                kv_at_n = (int(BAR_FRAC * gen_len) + args.every) / (args.prompt_len + gen_len)
+                if gen_len >= BAR_MIN_LEN and args.extra_every and BAR_FRAC in args.budgets \
+                        and kv_at_n > BAR_KV:
                     for policy in args.policies:
                         jobs.append(lambda p=policy: run_native(model, ps, gen_len, p, BAR_FRAC,
                                                                 args.extra_every))

@@ -129,9 +129,10 @@ def rkv_scores(win: torch.Tensor, keys: torch.Tensor, n: torch.Tensor, w: int, k
 def redundancy(keys: torch.Tensor, n: torch.Tensor, cells: int = 1 << 18) -> torch.Tensor:
     """R-KV redundancy [R,Hkv,S] from key cosine similarity (invalid slots excluded).
 
-    The [S,S] similarity is built for a few (row, head) pairs at a time, at most ``cells`` entries
-    (1 MiB of float32) when S allows: the half-dozen passes over it (threshold, latest match, column
-    sums) then run in the core's cache instead of streaming tens of MB per layer from memory."""
+    The [S,S] similarity is built for a few (row, head) pairs and a block of its rows at a time,
+    about ``cells`` entries (1 MiB of float32): the half-dozen passes over it (threshold, latest
+    match, column sums) then run in the core's cache instead of streaming tens of MB per layer from
+    memory (at S = 2176, one pair's full matrix is 19 MB)."""
     r, h, s, d = keys.shape
     pairs = max(1, cells // (s * s))
     if r * h > pairs:
@@ -141,17 +142,23 @@ def redundancy(keys: torch.Tensor, n: torch.Tensor, cells: int = 1 << 18) -> tor
     ar = torch.arange(s, device=keys.device)
     valid = ar[None] < n[:, None]                                            # [R,S]
     k = F.normalize(keys.float(), dim=-1, eps=1e-8) * valid[:, None, :, None]
-    sim = torch.matmul(k, k.transpose(-1, -2))                               # [R,Hkv,S(i),S(j)]
-    sim.diagonal(dim1=-2, dim2=-1).zero_()
-    # for every key i, its most recent similar key j is not counted as redundant because of i
-    # j + 1 where sim[i, j] > threshold, else 0: relu(sim - t) > 0 exactly when sim > t (the
-    # subtraction never flips a sign), and on CPU these float passes over [S,S] run ~2x faster
-    # than building a bool and an int16 [S,S] tensor with torch.where
-    hit = (sim - RKV_SIM_THRESHOLD).relu_().sign_().mul_(ar.to(sim.dtype) + 1)
-    latest = hit.amax(dim=-1, keepdim=True).long() - 1
-    has = latest >= 0
-    sim.scatter_(-1, latest.clamp(min=0), sim.gather(-1, latest.clamp(min=0)) * ~has)
-    mean_sim = sim.sum(dim=-2) / n[:, None, None].float()
+    kt = k.transpose(-1, -2)
+    col = k.new_zeros(r, h, s)
+    # rows i of the [S,S] similarity in blocks of ~``cells`` entries (long caches: S = 2k+)
+    block = max(16, cells // (r * h * s))
+    for i0 in range(0, s, block):
+        sim = torch.matmul(k[:, :, i0:i0 + block], kt)                      # [R,Hkv,b(i),S(j)]
+        sim.diagonal(offset=i0, dim1=-2, dim2=-1).zero_()
+        # for every key i, its most recent similar key j is not counted as redundant because of i.
+        # j + 1 where sim[i, j] > threshold, else 0: relu(sim - t) > 0 exactly when sim > t (the
+        # subtraction never flips a sign), and on CPU these float passes run ~2x faster than a
+        # bool and an int16 tensor built with torch.where
+        hit = (sim - RKV_SIM_THRESHOLD).relu_().sign_().mul_(ar.to(sim.dtype) + 1)
+        latest = hit.amax(dim=-1).long() - 1                                 # [R,Hkv,b]
+        dropped = sim.gather(-1, latest.clamp(min=0)[..., None])[..., 0] * (latest >= 0)
+        col += sim.sum(dim=-2)
+        col.scatter_add_(-1, latest.clamp(min=0), -dropped)
+    mean_sim = col / n[:, None, None].float()
     return torch.softmax(mean_sim.masked_fill(~valid[:, None], float("-inf")), dim=-1)
 
 
