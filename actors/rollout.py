@@ -172,11 +172,23 @@ class RolloutActor:
         """Receive one broadcast (a collective with the learner's send) and swap the weights."""
         from actors.weights import receive_weights
 
-        return receive_weights(self._receiver, self.load_weights)
+        return receive_weights(self._receiver, self.load_weights, self._inplace_params())
 
     def load_weights(self, named_tensors, version: int) -> None:
+        """Copy named tensors into the model (an empty list: they were received in place)."""
         self.engine.load_weights(named_tensors, version)
+        if self._dense is not None and self._dense is not self.engine:  # same model, own caches
+            self._dense.load_weights([], version)
         self.version = int(version)
+
+    def _inplace_params(self) -> dict | None:
+        """The parameters a broadcast may land in directly: the native engine's model (vLLM's
+        weights live in its own workers and come through its API)."""
+        from actors.config import EngineKind
+
+        if EngineKind(self.cfg.engine) != EngineKind.native:
+            return None
+        return dict(self.engine.model.named_parameters())
 
     def state_checksum(self) -> float:
         return self.engine.state_checksum()

@@ -132,7 +132,8 @@ class ScorerActor:
         Called between ``score`` calls, so a batch is never scored with mixed weights."""
         from actors.weights import receive_weights
 
-        return receive_weights(self._receiver, self.load_weights)
+        return receive_weights(self._receiver, self.load_weights,
+                               dict(self.model.named_parameters()))
 
     @torch.no_grad()
     def load_weights(self, named_tensors, version: int) -> None:

@@ -79,22 +79,42 @@ def test_weights_via_load_and_weight_sync(model_dir, tmp_path):
     actor.load_weights(list(other.named_parameters()), 3)
     assert actor.version == 3 and actor.state_checksum() == target
 
-    actor2 = make_actor(model_dir)
-    port = free_port()
-    spec = actor2.weight_spec()
-    result = {}
 
-    def learner():
-        sender = WeightSender("127.0.0.1", port, 2, spec)
-        sender.send(list(other.named_parameters()), 11)
-        result["ok"] = True
+def test_weights_received_in_place_reach_generation(tmp_path):
+    """MLP weights of 2 MiB travel alone and land straight in the parameters (with gloo over TCP
+    nothing bumps their ``_version``): generation afterwards uses exactly the new weights."""
+    from cluster.weight_sync import WeightSender, free_port
+    from common.modeling import load_model
 
-    th = threading.Thread(target=learner)
-    th.start()
-    actor2.init_weight_sync("127.0.0.1", port, 1, 2)
-    assert actor2.sync_weights() == 11
-    th.join(timeout=60)
-    assert result.get("ok") and actor2.state_checksum() == target
+    dims = dict(hidden=128, intermediate=4096, layers=1)
+    base = str(build_tiny(tmp_path / "b", "qwen2", seed=0, **dims))
+    other = load_model(build_tiny(tmp_path / "o", "qwen2", seed=5, **dims))
+    target = NativeChecksum(other)
+    actor = make_actor(base)
+    actor.load_weights(list(other.named_parameters()), 3)
+    expected = actor.rollout(PROBLEMS, version=3, batch=1)
+    for shm in (True, False):  # the shared-memory ring, and gloo over TCP
+        actor2 = make_actor(base)
+        before = actor2.rollout(PROBLEMS, version=0, batch=1)  # builds the engine's weight caches
+        port = free_port()
+        spec = actor2.weight_spec()
+        result = {}
+
+        def learner():
+            sender = WeightSender("127.0.0.1", port, 2, spec, same_host_shm=shm)
+            sender.send(list(other.named_parameters()), 11)
+            result["ok"] = True
+
+        th = threading.Thread(target=learner)
+        th.start()
+        actor2.init_weight_sync("127.0.0.1", port, 1, 2)
+        assert actor2.sync_weights() == 11
+        th.join(timeout=60)
+        assert result.get("ok") and actor2.state_checksum() == target
+        # received straight into the parameters: generation must use them, not stale caches
+        after = actor2.rollout(PROBLEMS, version=3, batch=1)
+        assert [r["sampler_logprobs"] for r in after] == [r["sampler_logprobs"] for r in expected]
+        assert [r["sampler_logprobs"] for r in before] != [r["sampler_logprobs"] for r in after]
 
 
 def NativeChecksum(model):

@@ -79,6 +79,7 @@ class NativeEngine:
             if name not in params:
                 raise KeyError(f"load_weights: model has no parameter {name!r}")
             params[name].copy_(tensor.to(params[name].dtype))
+        self.dec.invalidate()  # also after an empty list: the weights were received in place
         self.version = version
 
     def state_checksum(self) -> float:

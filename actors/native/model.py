@@ -164,6 +164,11 @@ class Decoder:
         self._sig, self.wt = None, None
         self.refresh()
 
+    def invalidate(self) -> None:
+        """Weights were written in place by something that may not bump ``_version`` (a gloo
+        receive straight into the parameters): rebuild the cached copies at the next refresh."""
+        self._sig = None
+
     def refresh(self) -> None:
         """(Re)build the fused QKV and gate/up weights. Cheap when nothing changed; needed after
         parameters were replaced rather than updated in place (``model.to(...)``,
