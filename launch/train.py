@@ -34,8 +34,6 @@ def main(argv: list[str]) -> dict:
     run_dir.mkdir(parents=True, exist_ok=False)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
-    import torch
-
     from buffer.tensors import to_tensors
     from cluster.pools import broadcast_weights, build_pools, connect_weight_sync
     from cluster.ray_setup import start_ray
@@ -44,7 +42,6 @@ def main(argv: list[str]) -> dict:
                               launch_rollouts, score_pending, split_groups, sync_weights)
     from tasks import make_task
 
-    torch.manual_seed(cfg.run.seed)
     t_start = time.time()
     log = MetricsLog(run_dir)
 
@@ -74,8 +71,8 @@ def main(argv: list[str]) -> dict:
         print(f"[eval] step 0: held-out accuracy {acc_before:.3f} on {len(heldout)} problems")
         log.write({"step": 0, "eval/accuracy": acc_before})
 
-    # 6. RL steps. sync: generate, then train. async: the next rollouts are launched before training
-    # on the current batch, so generation overlaps the learner step (samples lag one version).
+    # 6. RL steps. sync: generate, then train. async: the next rollouts start as soon as the current
+    # batch is in, overlapping scoring and the learner step (samples lag one version).
     overlap = cfg.run.mode == RunMode.async_
     in_flight = [] if state.get("next_batch_in_buffer") else launch_rollouts(pools, sampler, version)
     for step in range(state["step"] + 1, cfg.run.steps + 1):
@@ -83,6 +80,9 @@ def main(argv: list[str]) -> dict:
         # 6a. Sparse rollouts: G samples per prompt, sampler log-probs, rewards, policy version.
         # (A rollout actor that died is replaced and its share regenerated: cluster/elastic.py.)
         rows = gather_rollouts(in_flight, pools, cfg, version)
+        more = step < cfg.run.steps
+        if overlap and more:  # async: the next rollouts start now, with the current weights, and
+            in_flight = launch_rollouts(pools, sampler, version)  # overlap scoring and training
         ray.get(pools.buffer.append.remote(rows))
         t_roll = time.time() - t0
 
@@ -94,9 +94,6 @@ def main(argv: list[str]) -> dict:
         if batch is None:
             raise RuntimeError(f"step {step}: the buffer had no complete scored groups to train on")
         shards = [to_tensors(b, pad_id) for b in split_groups(batch, len(pools.learners))]
-        more = step < cfg.run.steps
-        if overlap and more:  # async: the next rollouts start now, with the current weights
-            in_flight = launch_rollouts(pools, sampler, version)
 
         # 6d. Correction + GRPO/PPO step on every data-parallel learner (DeepSpeed all-reduces).
         metrics = ray.get([lrn.train_step.remote(sh, cfg.rollout.temperature)
