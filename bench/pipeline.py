@@ -77,11 +77,11 @@ def pipeline_rows(steps: int, out: Path) -> list[dict]:
 
 PARTS = 8  # the broadcast bench's bytes as this many equal tensors (one bucket each, pipelined)
 VARIANTS = {("shm", "buffers"): "weight sync, shm ring (receiver's buffers)",
-            ("shm", "load"): "weight sync, shm ring + load copy (actors today)",
-            ("shm", "into"): "weight sync, shm ring into model",
+            ("shm", "load"): "weight sync, shm ring + load copy",
+            ("shm", "into"): "weight sync, shm ring into model (actors)",
             ("tcp", "buffers"): "weight sync, gloo TCP (receiver's buffers)",
             ("tcp", "load"): "weight sync, gloo TCP + load copy",
-            ("tcp", "into"): "weight sync, gloo TCP into model",
+            ("tcp", "into"): "weight sync, gloo TCP into model (actors, remote)",
             ("tcp", "raw"): "bare gloo broadcast, 1 tensor (TCP floor)"}
 
 
@@ -90,8 +90,8 @@ def _endpoint(rank: int, port: int, n: int, reps: int, mode: str, shm: bool) -> 
     to this side's end (with ``load`` and ``into``, the receiver's end has the weights in its model).
 
     Modes: ``buffers`` (the broadcast proper: the bytes are in the receiver's buffers), ``load``
-    (what actors do today: then copied into the model by ``load_weights``), ``into`` (received
-    straight into the model's tensors) and ``raw`` (one bare gloo broadcast of one tensor: TCP's
+    (then copied into the model, as ``load_weights`` does), ``into`` (received straight into the
+    model's tensors: what rollout and scorer actors do, ``actors.weights.receive_weights``) and ``raw`` (one bare gloo broadcast of one tensor: TCP's
     floor). ``shm``: the same-machine shared-memory ring (the
     default when every receiver is local) rather than gloo over loopback TCP.
     """
