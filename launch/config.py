@@ -83,6 +83,10 @@ class TrainConfig:
                               f"{str(want).lower()} when correction.staleness.enabled="
                               f"{str(want).lower()} (the split needs the rollout's dense "
                               "log-probs; without it they are a wasted forward)")
+        # async samples lag the learner by one version: a buffer that drops them would starve
+        if self.run.mode == RunMode.async_ and self.buffer.max_staleness < 1:
+            raise ConfigError("buffer.max_staleness", self.buffer.max_staleness,
+                              ">= 1 with run.mode=async (its samples lag the learner by one version)")
 
 
 def _allowed_keys(schema, dotted: str) -> str:

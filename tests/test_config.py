@@ -103,3 +103,10 @@ def test_vllm_engine_refuses_score_based_policy_at_load():
         load_config(["rollout.engine=vllm", "rollout.kv.policy=rkv"])
     cfg = load_config(["rollout.engine=vllm", "rollout.kv.policy=streaming"])
     assert cfg.rollout.engine.value == "vllm"
+
+
+def test_async_needs_a_buffer_that_keeps_one_version_old_samples():
+    with pytest.raises(ConfigError, match="buffer.max_staleness"):
+        load_config(["run.mode=async", "buffer.max_staleness=0"])
+    assert load_config(["run.mode=async"]).buffer.max_staleness >= 1
+    assert load_config(["buffer.max_staleness=0"]).run.mode.value == "sync"
