@@ -18,9 +18,18 @@ policies are also run with ``compress_every`` = ``--extra-every`` (64) where N =
 KV bar: the stored tokens are (budget + N) / (prompt + gen_len) = 0.31 of dense at 2048 by
 construction (0.265 at 8192).
 
+Equal KV memory (``--equal-memory``, on by default; ``--quick`` has no length that qualifies): at
+2048+ tokens each sparse policy at the 25% budget (N = ``--every``) is also run at the largest batch
+whose preallocated K/V bytes (the engine's own accounting: rows * capacity * bytes/token, capacity =
+budget + N) fit in dense-native's at the bench batch B. These rows (``memory_matched: true``, their
+own ``batch``) are printed in a separate section, "same KV memory as dense-native at batch B", with
+``speed_vs_dense`` / ``kv_vs_dense`` against dense-native at batch B. This is the paper's "memory
+wall" comparison: more sequences in the same KV memory. It is reported as INFO, never as the bar.
+
 After the table, "bars" prints PASS/FAIL for issue 3's targets: at 2048+ tokens and a 25% budget
-every sparse policy runs >= 2x dense-native's tokens/s with <= 30% of its KV bytes, and dense-native
-runs at least as fast as HF ``generate`` with a static cache.
+every sparse policy runs >= 2x dense-native's tokens/s (same batch) with <= 30% of its KV bytes, and
+dense-native runs at least as fast as HF ``generate`` with a static cache; then one INFO line per
+equal-memory row ("sparse at equal KV memory: X.XXx dense tokens/s"), which no bar judges.
 
 Models: ``tiny`` = ``.cache/models/tiny-base`` when present, else a random-weight Qwen2 of the same
 size class (hidden 256, 4 layers); ``mid`` = a random-weight model of the tiny model's architecture
@@ -49,7 +58,8 @@ from common.modeling import load_model  # noqa: E402
 
 POLICIES = ("streaming", "h2o", "snapkv", "rkv")
 FIELDS = ("model", "engine", "policy", "budget_frac", "budget", "compress_every", "gen_len", "batch",
-          "tok_per_s", "peak_kv_bytes", "speed_vs_dense", "kv_vs_dense", "seconds", "params")
+          "tok_per_s", "peak_kv_bytes", "speed_vs_dense", "kv_vs_dense", "seconds", "params",
+          "memory_matched")
 BAR_SPEED, BAR_KV, BAR_MIN_LEN, BAR_FRAC = 2.0, 0.30, 2048, 0.25
 
 
@@ -85,10 +95,38 @@ def prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list
     return torch.randint(3, vocab, (batch, prompt_len), generator=g).tolist()
 
 
-def run_native(model, ps, gen_len: int, policy: str, frac: float | None, every: int) -> dict:
+def native_engine(model, gen_len: int, policy: str, frac: float | None, every: int,
+                  batch: int) -> tuple[NativeEngine, int]:
+    """The engine of a native row and its budget (0 for dense)."""
     budget = 0 if policy == "dense" else max(16, int(frac * gen_len))
     kv = KVConfig(policy=policy, budget=max(budget, 16), compress_every=every)
-    eng = NativeEngine(model, kv, batch_size=len(ps))
+    return NativeEngine(model, kv, batch_size=batch), budget
+
+
+def native_kv_bytes(model, gen_len: int, prompt_len: int, policy: str, frac: float | None,
+                    every: int, batch: int) -> int:
+    """K/V bytes the native engine preallocates for ``batch`` prompts of ``prompt_len`` tokens, from
+    its own accounting (rows * capacity * bytes per token; what ``allocated_kv_bytes`` reports when
+    all rows are admitted at once, i.e. ``batch_size`` = number of prompts)."""
+    eng, _ = native_engine(model, gen_len, policy, frac, every, batch)
+    return batch * eng._capacity(prompt_len, gen_len) * eng.bytes_per_token
+
+
+def memory_matched_batch(model, gen_len: int, prompt_len: int, policy: str, frac: float,
+                         every: int, limit_bytes: int) -> int:
+    """Largest batch whose native KV bytes for ``policy`` fit in ``limit_bytes`` (0 if none)."""
+    per_row = native_kv_bytes(model, gen_len, prompt_len, policy, frac, every, 1)
+    b = limit_bytes // per_row
+    kv = lambda n: native_kv_bytes(model, gen_len, prompt_len, policy, frac, every, n)  # noqa: E731
+    while b > 0 and kv(b) > limit_bytes:
+        b -= 1
+    while kv(b + 1) <= limit_bytes:
+        b += 1
+    return b
+
+
+def run_native(model, ps, gen_len: int, policy: str, frac: float | None, every: int) -> dict:
+    eng, budget = native_engine(model, gen_len, policy, frac, every, len(ps))
     t0 = time.perf_counter()
     outs = eng.generate(ps, SamplingParams(max_new_tokens=gen_len, seed=0))
     dt = time.perf_counter() - t0
@@ -192,6 +230,20 @@ def bench(args) -> list[dict]:
                     for policy in args.policies:
                         jobs.append(lambda p=policy: run_native(model, ps, gen_len, p, BAR_FRAC,
                                                                 args.extra_every))
+                # equal KV memory: each policy at the largest batch that fits in dense's KV bytes
+                matched: dict[int, int] = {}
+                if args.equal_memory and gen_len >= BAR_MIN_LEN and BAR_FRAC in args.budgets:
+                    dense_kv = native_kv_bytes(model, gen_len, args.prompt_len, "dense", None,
+                                               args.every, batch)
+                    for policy in args.policies:
+                        mb = memory_matched_batch(model, gen_len, args.prompt_len, policy,
+                                                  BAR_FRAC, args.every, dense_kv)
+                        if mb < 1:
+                            continue
+                        mps = prompts(mb, args.prompt_len, vocab)
+                        matched[len(jobs)] = mb
+                        jobs.append(lambda p=policy, q=mps: run_native(model, q, gen_len, p,
+                                                                        BAR_FRAC, args.every))
                 if gen_len <= args.peer_max_len:
                     for cache in args.hf:
                         jobs.append(lambda c=cache: run_hf(model, ps, gen_len, c))
@@ -201,13 +253,28 @@ def bench(args) -> list[dict]:
                             jobs.append(lambda f=frac: run_vllm(path, ps, gen_len, "streaming", f))
                 found = best_of(jobs, args.repeat)
                 dense = found[0]
-                for r in found:
+                for j, r in enumerate(found):
                     if r is None:
                         continue
-                    r.update(base, speed_vs_dense=r["tok_per_s"] / dense["tok_per_s"],
+                    r.update(base, memory_matched=j in matched,
+                             speed_vs_dense=r["tok_per_s"] / dense["tok_per_s"],
                              kv_vs_dense=r["peak_kv_bytes"] / dense["peak_kv_bytes"])
+                    if j in matched:
+                        r["batch"] = matched[j]
+                        if r["peak_kv_bytes"] > dense["peak_kv_bytes"]:   # the accounting is wrong
+                            raise RuntimeError(f"equal-memory {r['policy']} at batch {matched[j]}: "
+                                               f"{r['peak_kv_bytes']} KV bytes > dense's "
+                                               f"{dense['peak_kv_bytes']}")
                     rows.append(r)
-                    print(fmt_row(r), flush=True)
+                    if j not in matched:
+                        print(fmt_row(r), flush=True)
+                same = [r for j, r in enumerate(found) if j in matched and r is not None]
+                if same:
+                    print(f"# same KV memory as dense-native at batch {batch} "
+                          f"({dense['peak_kv_bytes'] / 2**20:.2f} MiB): each policy at the largest "
+                          f"batch that fits; ratios vs dense-native at batch {batch}", flush=True)
+                    for r in same:
+                        print(fmt_row(r), flush=True)
     return rows
 
 
@@ -236,8 +303,8 @@ def bars(rows: list[dict]) -> list[tuple[str, bool]]:
         dense = next(r for r in rs if r["engine"] == "native" and r["policy"] == "dense")
         if gen_len >= BAR_MIN_LEN:
             for r in rs:
-                if r["engine"] != "native" or r["policy"] == "dense" or \
-                        abs(r["budget_frac"] - BAR_FRAC) > 1e-9:
+                if r["engine"] != "native" or r["policy"] == "dense" or r.get("memory_matched") \
+                        or abs(r["budget_frac"] - BAR_FRAC) > 1e-9:
                     continue
                 tag = f"{model} {gen_len} {r['policy']:<9} N={r['compress_every']:<3}"
                 out.append((f"{tag} speed {r['speed_vs_dense']:.2f}x dense-native (>= "
@@ -245,9 +312,23 @@ def bars(rows: list[dict]) -> list[tuple[str, bool]]:
                 out.append((f"{tag} KV {r['kv_vs_dense']:.3f} of dense (<= {BAR_KV:.2f})",
                             r["kv_vs_dense"] <= BAR_KV))
         for r in rs:
-            if r["engine"] == "hf-static":
+            if r["engine"] == "hf-static" and not r.get("memory_matched"):
                 out.append((f"{model} {gen_len} dense-native {dense['tok_per_s']:.0f} tok/s >= "
                             f"hf-static {r['tok_per_s']:.0f}", dense["tok_per_s"] >= r["tok_per_s"]))
+    return out
+
+
+def equal_memory_info(rows: list[dict]) -> list[str]:
+    """INFO lines for the equal-KV-memory rows (not a bar: the issue's bar is at the same batch)."""
+    out = []
+    for r in rows:
+        if not r.get("memory_matched"):
+            continue
+        dense = next(d for d in rows if d["model"] == r["model"] and d["gen_len"] == r["gen_len"]
+                     and d["engine"] == "native" and d["policy"] == "dense")
+        out.append(f"{r['model']} {r['gen_len']} {r['policy']:<9} N={r['compress_every']:<3} sparse "
+                   f"at equal KV memory: {r['speed_vs_dense']:.2f}x dense tokens/s (batch "
+                   f"{r['batch']} vs {dense['batch']}, KV {r['kv_vs_dense']:.3f} of dense)")
     return out
 
 
@@ -258,6 +339,8 @@ def print_bars(rows: list[dict]) -> None:
         print(f"  (speed and KV bars need gen_len >= {BAR_MIN_LEN} with budget {BAR_FRAC})")
     for line, ok in found:
         print(f"  {'PASS' if ok else 'FAIL'}  {line}")
+    for line in equal_memory_info(rows):
+        print(f"  INFO  {line}")
 
 
 def parse(argv=None):
@@ -276,6 +359,9 @@ def parse(argv=None):
     ap.add_argument("--hf", default="static,dynamic", help="HF generate peers ('' for none)")
     ap.add_argument("--peer-max-len", type=int, default=2048, help="longest gen_len for peers")
     ap.add_argument("--no-vllm", dest="vllm", action="store_false")
+    ap.add_argument("--equal-memory", action=argparse.BooleanOptionalAction, default=True,
+                    help="at 2048+ tokens also run each 25%%-budget policy at the largest batch that "
+                         "fits in dense's KV bytes (INFO rows, not a bar)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=2, help="rounds; each row keeps its best")
     args = ap.parse_args(argv)
