@@ -49,3 +49,16 @@ def learner_batch(learner_model_dir) -> dict:
     from learner.testing import make_batch
 
     return make_batch(num_groups=3, group_size=4, model=load_model(learner_model_dir))
+
+
+@pytest.fixture()
+def local_ray(tmp_path, monkeypatch):
+    """Ray started the way launch/train.py starts it (local, loopback only), shut down after."""
+    from cluster.config import ClusterConfig
+    from cluster.ray_setup import start_ray
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    ray = start_ray(ClusterConfig(), tmp_path)
+    yield ray
+    ray.shutdown()

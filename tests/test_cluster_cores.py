@@ -6,7 +6,7 @@ import os
 import pytest
 
 from cluster.config import ClusterConfig
-from cluster.ray_setup import actor_options, pinned, start_ray
+from cluster.ray_setup import actor_options, pinned
 from common.errors import ConfigError
 from launch.config import load_config
 
@@ -39,15 +39,6 @@ def test_bad_core_list_from_the_command_line_names_its_key():
 
 def test_no_cores_leaves_the_class_alone():
     assert pinned(dict, []) is dict
-
-
-@pytest.fixture()
-def local_ray(tmp_path, monkeypatch):
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    monkeypatch.setenv("HOME", str(tmp_path))
-    ray = start_ray(ClusterConfig(), tmp_path)
-    yield ray
-    ray.shutdown()
 
 
 @pytest.mark.slow

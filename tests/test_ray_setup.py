@@ -7,18 +7,8 @@ import os
 import psutil
 import pytest
 
-from cluster.config import ClusterConfig
-from cluster.ray_setup import actor_options, start_ray
+from cluster.ray_setup import actor_options
 from cluster.weight_sync import free_port
-
-
-@pytest.fixture()
-def local_ray(tmp_path, monkeypatch):
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    monkeypatch.setenv("HOME", str(tmp_path))
-    ray = start_ray(ClusterConfig(), tmp_path)
-    yield ray
-    ray.shutdown()
 
 
 def _listening_addresses(root_pid: int) -> list[str]:
