@@ -7,6 +7,7 @@ response; weights arrive versioned through ``cluster.weight_sync`` (``init_weigh
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import is_dataclass
 
@@ -43,6 +44,13 @@ class RolloutActor:
         self._receiver = None
         self._calls = 0
         self._dense = None
+        # rollouts ahead (run.rollouts_ahead > 1): ``stage_weights`` receives into ``_staged``
+        # beside a running rollout; the next rollout()/evaluate() swaps it in (``_swap_staged``)
+        self._stage_lock = threading.Lock()
+        self._staged: dict | None = None       # name -> tensor, the model's dtypes, reused
+        self._staged_version: int | None = None
+        self._staged_sum: float | None = None
+        self.swaps: list[tuple[int, float | None]] = []   # (version, checksum after swap), last 64
 
     # ---- generation ------------------------------------------------------------------------------
     def _task_obj(self):
@@ -99,11 +107,15 @@ class RolloutActor:
         text = self.tokenizer.decode(output.response_ids, skip_special_tokens=True)
         return text, float(self._task_obj().reward(text, answer))
 
-    def rollout(self, problems, version: int, batch: int | None = None) -> list[dict]:
+    def rollout(self, problems, version: int | None, batch: int | None = None) -> list[dict]:
         """G samples per problem as buffer rows (rewards filled). ``gen_time_s`` is the sample's
         share of the wall time of the engine call that produced it. ``batch`` (the driver's
         rollout-batch number) fixes the sampling seed and the sample ids, so they are reproducible
-        across restarts; without it a call counter is used."""
+        across restarts; without it a call counter is used. Staged weights are swapped in first;
+        ``version=None`` tags the rows with the version of the weights this actor then holds (the
+        driver's choice with run.rollouts_ahead > 1, where that depends on timing)."""
+        self._swap_staged()
+        version = self.version if version is None else version
         g = self.cfg.samples_per_prompt
         outs, elapsed, params = self._generate(problems, g, greedy=False, batch=batch)
         kv = self.cfg.kv
@@ -143,6 +155,7 @@ class RolloutActor:
     def evaluate(self, problems, greedy: bool = True, dense: bool = True) -> dict:
         """One sample per problem (greedy, or sampled at the rollout temperature), decoded with a
         dense cache unless ``dense=False`` (then with the rollout KV policy)."""
+        self._swap_staged()
         if not problems:
             return {"accuracy": 0.0, "num_problems": 0}
         outs, elapsed, _ = self._generate(problems, 1, greedy=greedy, dense=dense)
@@ -173,6 +186,53 @@ class RolloutActor:
         from actors.weights import receive_weights
 
         return receive_weights(self._receiver, self.load_weights, self._inplace_params())
+
+    def stage_weights(self, verify: bool = True) -> dict:
+        """Receive one broadcast into a staging copy, beside a rollout in progress (the driver
+        calls it in the actor's "weights" concurrency group); the next rollout()/evaluate() swaps
+        it in, between batches, never mid-sequence. A newer broadcast staged before that replaces
+        it. Returns {"version", "checksum"}: the checksum of the staged weights, exactly what the
+        model holds after the swap (None unless ``verify``); the swap checks the model against it.
+        A failed receive leaves nothing staged (the model keeps its weights)."""
+        from common.modeling import checksum
+
+        if self._receiver is None:
+            raise RuntimeError("stage_weights called before init_weight_sync")
+        with self._stage_lock:
+            self._staged_version = self._staged_sum = None
+            dest = self._staging_dest()
+            version, named = self._receiver.receive(into=dest)
+            if dest is None:  # no destinations (vLLM): copy out of the receiver's reused buffers
+                self._staged = {n: t.clone() for n, t in named}
+            self._staged_sum = checksum(self._staged.items()) if verify else None
+            self._staged_version = int(version)
+            return {"version": self._staged_version, "checksum": self._staged_sum}
+
+    def _staging_dest(self) -> dict | None:
+        """The staging copy a broadcast lands in: one tensor per parameter, allocated once."""
+        params = self._inplace_params()
+        if params is None:
+            return None
+        if self._staged is None:
+            self._staged = {n: torch.empty_like(p) for n, p in params.items()}
+        return self._staged
+
+    def _swap_staged(self) -> None:
+        """Load the staged weights, if any, into the model; with a staged checksum, the model's
+        must equal it (the weights the next rows are tagged with are the ones the learner sent).
+        A receive in progress is waited for (it may be overwriting a staged, not yet swapped
+        version): the rollout then starts from the newer one, never from older weights."""
+        with self._stage_lock:
+            if self._staged_version is None:
+                return
+            version, want = self._staged_version, self._staged_sum
+            self.load_weights(list(self._staged.items()), version)
+            got = None if want is None else self.state_checksum()
+            if want is not None and got != want:
+                raise RuntimeError(f"rollout actor {self.actor_id}: after swapping in version "
+                                   f"{version} the model's checksum {got} != staged {want}")
+            self._staged_version = self._staged_sum = None
+            self.swaps = (self.swaps + [(version, got)])[-64:]
 
     def load_weights(self, named_tensors, version: int) -> None:
         """Copy named tensors into the model (an empty list: they were received in place)."""

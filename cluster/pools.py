@@ -21,6 +21,9 @@ class Pools:
     # actor_id of each rollout actor (parallel to ``rollout``): it seeds the actor's sampling, so a
     # replacement takes over its predecessor's id and regenerates exactly its chunk of a batch
     rollout_ids: list = field(default_factory=list)
+    # run.rollouts_ahead in async mode: > 1 stages broadcasts on the rollout actors (their
+    # "weights" concurrency group) instead of queueing behind their rollouts
+    rollouts_ahead: int = 1
 
     @property
     def receivers(self) -> list:
@@ -36,7 +39,7 @@ def build_pools(cfg, run_dir: str) -> Pools:
     from learner.learner import Learner
 
     c = cfg.cluster
-    pools = Pools()
+    pools = Pools(rollouts_ahead=rollouts_ahead(cfg))
     pools.buffer = ray.remote(**actor_options(c.buffer_cpus))(ReplayBuffer).remote(
         cfg.buffer, _buffer_root(cfg, run_dir))
     n_learn = cfg.learner.num_learners
@@ -53,15 +56,33 @@ def build_pools(cfg, run_dir: str) -> Pools:
     return pools
 
 
+def rollouts_ahead(cfg) -> int:
+    """Rollout batches kept in flight: ``run.rollouts_ahead`` in async mode, else 1."""
+    run = getattr(cfg, "run", None)
+    mode = getattr(getattr(run, "mode", None), "value", getattr(run, "mode", None))
+    return int(getattr(run, "rollouts_ahead", 1)) if mode == "async" else 1
+
+
+def _weights_group(actor, method: str, ahead: int):
+    """``actor.method``, in the rollout actor's "weights" concurrency group when rollouts run
+    ahead (it then runs beside the actor's rollouts instead of after every queued one)."""
+    m = getattr(actor, method)
+    return m.options(concurrency_group="weights") if ahead > 1 else m
+
+
 def spawn_rollout(cfg, actor_id: int):
     """One rollout actor with the pool's resources (build_pools, and replacements or growth in
-    ``cluster.elastic``: both must place and configure it the same way)."""
+    ``cluster.elastic``: both must place and configure it the same way). With rollouts ahead it
+    gets a "weights" concurrency group (one thread) for ``stage_weights``/``init_weight_sync``;
+    rollouts and everything else stay one call at a time in the default group."""
     import ray
 
     from actors.rollout import RolloutActor
 
     c = cfg.cluster
     opts = actor_options(c.rollout_cpus, c.rollout_gpus, c.rollout_resources)
+    if rollouts_ahead(cfg) > 1:
+        opts["concurrency_groups"] = {"weights": 1}
     cls = ray.remote(max_restarts=c.actor_max_restarts, **opts)(
         pinned(RolloutActor, c.rollout_cores))
     return cls.remote(cfg.rollout, cfg.task, cfg.rollout.model_path, actor_id=actor_id)
@@ -103,8 +124,10 @@ def connect_weight_sync(pools: Pools, cfg, port: int | None = None) -> None:
     backend = getattr(c.weight_sync_backend, "value", c.weight_sync_backend)
     calls = [pools.learners[0].init_weight_sync.remote(c.host, port, world, backend,
                                                        c.weight_sync_bucket_mb, timeout_s=timeout)]
-    calls += [a.init_weight_sync.remote(c.host, port, rank, world, timeout_s=timeout)
-              for rank, a in enumerate(pools.receivers, start=1)]
+    ahead = [pools.rollouts_ahead] * len(pools.rollout) + [1] * len(pools.scorer)
+    calls += [_weights_group(a, "init_weight_sync", s).remote(c.host, port, rank, world,
+                                                               timeout_s=timeout)
+              for rank, (a, s) in enumerate(zip(pools.receivers, ahead), start=1)]
     # every member's answer, not the first error: a failed formation leaves no member still
     # waiting in it (each waits at most the timeout), so a re-formation can follow at once
     ray.wait(calls, num_returns=len(calls))
@@ -116,18 +139,28 @@ def broadcast_weights(pools: Pools, verify: bool = True) -> tuple[int, dict]:
 
     Returns the version and, with ``verify``, the learner's weight checksum and the largest relative
     difference of any receiver's checksum from it (0.0 when every actor holds the learner's weights).
+
+    With ``pools.rollouts_ahead > 1`` the rollout actors *stage* the weights (``stage_weights``, in
+    their "weights" concurrency group, beside queued rollouts) and swap them in at the start of
+    their next rollout/evaluate; their checksum here is the staged copy's, which the swap checks
+    the model against. Scorers always receive straight into the model (they are idle meanwhile).
     """
     import ray
 
+    ahead = pools.rollouts_ahead > 1
     sent = pools.learners[0].broadcast_weights.remote()
-    got = [a.sync_weights.remote() for a in pools.receivers]
+    staged = [a.stage_weights.options(concurrency_group="weights").remote(verify)
+              for a in pools.rollout] if ahead else []
+    got = [a.sync_weights.remote() for a in (pools.scorer if ahead else pools.receivers)]
     version = ray.get(sent)
-    versions = ray.get(got)
+    staged = ray.get(staged)
+    versions = [s["version"] for s in staged] + ray.get(got)
     if any(v != version for v in versions):
         raise RuntimeError(f"weight broadcast version mismatch: learner {version}, actors {versions}")
     if not verify:
         return version, {}
     ref = ray.get(pools.learners[0].state_checksum.remote())
-    sums = ray.get([a.state_checksum.remote() for a in pools.receivers])
+    sums = [s["checksum"] for s in staged] + ray.get(
+        [a.state_checksum.remote() for a in (pools.scorer if ahead else pools.receivers)])
     diff = max(abs(s - ref) / max(abs(ref), 1e-12) for s in sums)
     return version, {"weights/checksum": ref, "weights/max_rel_diff": diff}

@@ -17,7 +17,10 @@ leaves nothing that resume could mistake for a checkpoint.
 Why the continuation is exact: rollouts are seeded by (rollout.seed, actor id, batch number) and
 the batch number is part of the sampler position, the scorer is deterministic, and the learner's
 state is complete. Rollouts already in flight when the checkpoint is taken (the next batch is
-launched before the step ends) are first landed in the buffer, so they are kept, not regenerated.
+launched before the step ends; ``run.rollouts_ahead`` of them) are first landed in the buffer, so
+they are kept, not regenerated; ``in_flight`` in trainer_state.json counts them, and the resumed run
+treats them as in flight, launching new batches only as they are gathered. (With rollouts_ahead > 1
+the versions the batches were generated with depend on timing, so that continuation is not exact.)
 """
 from __future__ import annotations
 
@@ -68,8 +71,10 @@ def due(run_cfg, step: int) -> bool:
 
 
 def save(run_dir: Path, cfg, pools, *, step: int, version: int, sampler, accuracy_before: float,
-         next_batch_in_buffer: bool) -> Path:
-    """Write the checkpoint after ``step`` (every learner rank takes part) and prune old ones."""
+         in_flight: int) -> Path:
+    """Write the checkpoint after ``step`` (every learner rank takes part) and prune old ones.
+    ``in_flight``: rollout batches that were in flight and landed in the buffer (resume counts them
+    as in flight and launches more only up to ``run.rollouts_ahead``)."""
     import ray
 
     from launch.config import to_yaml
@@ -84,7 +89,8 @@ def save(run_dir: Path, cfg, pools, *, step: int, version: int, sampler, accurac
     ray.get(pools.buffer.snapshot.remote(str(part / "buffer")))
     (part / "config.yaml").write_text(to_yaml(cfg))
     state = {"step": step, "version": version, "sampler": sampler.position(),
-             "accuracy_before": accuracy_before, "next_batch_in_buffer": next_batch_in_buffer}
+             "accuracy_before": accuracy_before, "next_batch_in_buffer": in_flight > 0,
+             "in_flight": int(in_flight)}
     (part / STATE_FILE).write_text(json.dumps(state, indent=2))
     os.replace(part, final)  # a directory rename: the checkpoint appears whole or not at all
     _prune(root, cfg.run.checkpoint_keep)
@@ -103,6 +109,7 @@ def restore(ckpt: Path, pools, sampler) -> dict:
                            f"{STATE_FILE} says {state['version']}")
     ray.get(pools.buffer.restore.remote(str(ckpt / "buffer")))
     sampler.restore(state["sampler"])
+    state.setdefault("in_flight", int(state.get("next_batch_in_buffer", False)))  # older ones
     return state
 
 

@@ -48,6 +48,10 @@ class RunConfig:
     mode: RunMode = RunMode.sync
     checkpoint_every: int = 0       # checkpoint every N steps and after the last (0: only on SIGTERM)
     checkpoint_keep: int = 2        # newest checkpoints kept (0: all)
+    # async only: rollout batches in flight while the learner trains (versions k+1 .. k+s are
+    # generated while it trains on k); 1 is deterministic, >1 tags each batch with the version its
+    # actor held when it started, which depends on timing (lag <= s <= buffer.max_staleness)
+    rollouts_ahead: int = 1
 
     def validate(self, prefix: str = "run") -> None:
         if not self.name or "/" in self.name:
@@ -59,6 +63,7 @@ class RunConfig:
         check_range(f"{prefix}.log_every", self.log_every, 1)
         check_range(f"{prefix}.checkpoint_every", self.checkpoint_every, 0)
         check_range(f"{prefix}.checkpoint_keep", self.checkpoint_keep, 0)
+        check_range(f"{prefix}.rollouts_ahead", self.rollouts_ahead, 1)
 
 
 @dataclass
@@ -87,6 +92,14 @@ class TrainConfig:
         if self.run.mode == RunMode.async_ and self.buffer.max_staleness < 1:
             raise ConfigError("buffer.max_staleness", self.buffer.max_staleness,
                               ">= 1 with run.mode=async (its samples lag the learner by one version)")
+        ahead = self.run.rollouts_ahead
+        if ahead > 1 and self.run.mode != RunMode.async_:
+            raise ConfigError("run.rollouts_ahead", ahead, "1 with run.mode=sync (rollouts ahead of "
+                              "the learner need run.mode=async)")
+        if self.run.mode == RunMode.async_ and ahead > self.buffer.max_staleness:
+            raise ConfigError("run.rollouts_ahead", ahead,
+                              f"<= buffer.max_staleness ({self.buffer.max_staleness}): a batch "
+                              f"generated s versions ahead lags the learner by up to s")
 
 
 def _allowed_keys(schema, dotted: str) -> str:

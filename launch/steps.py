@@ -95,17 +95,44 @@ def launch(actors: list, method: str, items: list, *args) -> list:
 def launch_rollouts(pools, sampler: PromptSampler, version: int) -> list[tuple]:
     """The sampler's next prompts to the rollout actors, tagged with the batch number, which seeds
     the sampling and names the samples (so a resumed run, or a replacement actor, draws the very
-    same ones). Returns one (actor index, chunk, batch, ref) per call, for ``gather_rollouts``."""
+    same ones). Returns one (actor index, chunk, batch, ref) per call, for ``gather_rollouts``.
+    With rollouts ahead (``pools.rollouts_ahead > 1``) each actor tags its rows with the version
+    of the weights it holds when the call starts (it swaps in staged weights first): that version
+    depends on timing, between ``version`` and the learner's version when the batch is gathered."""
     problems, batch = sampler.next(), sampler.drawn
-    return [(i, chunk, batch, pools.rollout[i].rollout.remote(chunk, version, batch))
+    tag = version if pools.rollouts_ahead == 1 else None
+    return [(i, chunk, batch, pools.rollout[i].rollout.remote(chunk, tag, batch))
             for i, chunk in enumerate(split(problems, len(pools.rollout))) if chunk]
+
+
+def fill_rollouts(in_flight, pools, sampler: PromptSampler, version: int, steps: int) -> None:
+    """Launch batches until ``in_flight`` (a deque, oldest first) holds ``pools.rollouts_ahead``
+    of them, never beyond batch ``steps`` (batch k is trained at step k). Entries may be ``[]``:
+    a batch already landed in the buffer (a checkpoint's), gathered as no rows."""
+    while len(in_flight) < pools.rollouts_ahead and sampler.drawn < steps:
+        in_flight.append(launch_rollouts(pools, sampler, version))
+
+
+def land_rollouts(in_flight, pools, cfg, version: int) -> int:
+    """Every batch in flight into the buffer (before a checkpoint); ``in_flight`` then holds as
+    many landed (empty) entries, so the run goes on as if they were still running. Returns how
+    many batches it holds (``trainer_state.json``'s ``in_flight``: resume refills from it)."""
+    import ray
+
+    n = len(in_flight)
+    for calls in list(in_flight):
+        ray.get(pools.buffer.append.remote(gather_rollouts(calls, pools, cfg, version)))
+    in_flight.clear()
+    in_flight.extend([] for _ in range(n))
+    return n
 
 
 def gather_rollouts(in_flight: list[tuple], pools, cfg, version: int) -> list:
     """The rows of ``launch_rollouts``' calls, in actor order. When a rollout actor has died, it
     is replaced (``cluster.elastic.replace_dead``: the weight group re-forms and every actor gets
     the learner's current weights) and its chunk is generated again with the same batch number,
-    tagged with the current ``version``, whose weights the replacement holds."""
+    tagged with the current ``version``, whose weights the replacement holds (with rollouts
+    ahead: tagged by the actor, like ``launch_rollouts``)."""
     import ray
     from ray.exceptions import RayActorError
 
@@ -118,7 +145,8 @@ def gather_rollouts(in_flight: list[tuple], pools, cfg, version: int) -> list:
         except RayActorError as err:
             print(f"[elastic] rollout actor {i} lost ({type(err).__name__}): "
                   f"{replace_dead(pools, cfg)}", flush=True)
-            rows += ray.get(pools.rollout[i].rollout.remote(chunk, version, batch))
+            tag = version if pools.rollouts_ahead == 1 else None
+            rows += ray.get(pools.rollout[i].rollout.remote(chunk, tag, batch))
     return rows
 
 

@@ -13,6 +13,7 @@ Checkpoints (every run.checkpoint_every steps, after the last, on SIGTERM) resum
 from __future__ import annotations
 
 import json
+from collections import deque
 import sys
 import time
 from pathlib import Path
@@ -38,8 +39,9 @@ def main(argv: list[str]) -> dict:
     from cluster.pools import broadcast_weights, build_pools, connect_weight_sync
     from cluster.ray_setup import start_ray
     from common.modeling import load_tokenizer
-    from launch.steps import (MetricsLog, PromptSampler, batch_metrics, evaluate, gather_rollouts,
-                              launch_rollouts, score_pending, split_groups, sync_weights)
+    from launch.steps import (MetricsLog, PromptSampler, batch_metrics, evaluate, fill_rollouts,
+                              gather_rollouts, land_rollouts, score_pending, split_groups,
+                              sync_weights)
     from tasks import make_task
 
     t_start = time.time()
@@ -59,7 +61,7 @@ def main(argv: list[str]) -> dict:
 
     # 4. Resuming: learners (weights, optimiser, RNG), buffer rows and data position come back.
     # Then one broadcast group, separate from DeepSpeed's: learner rank 0 -> rollout + scorer actors.
-    state = checkpoint.restore(ckpt, pools, sampler) if ckpt else {"step": 0}
+    state = checkpoint.restore(ckpt, pools, sampler) if ckpt else {"step": 0, "in_flight": 0}
     connect_weight_sync(pools, cfg)
     version, sync = broadcast_weights(pools)  # everyone starts from the learner's exact weights
     log.write({"step": state["step"], "version": version, **sync, "resumed_from": str(ckpt or "")})
@@ -72,17 +74,18 @@ def main(argv: list[str]) -> dict:
         log.write({"step": 0, "eval/accuracy": acc_before})
 
     # 6. RL steps. sync: generate, then train. async: the next rollouts start as soon as the current
-    # batch is in, overlapping scoring and the learner step (samples lag one version).
+    # batch is in, overlapping scoring and the learner step; with run.rollouts_ahead=s, s batches
+    # stay in flight (samples lag up to s versions; with s > 1 which one depends on timing).
     overlap = cfg.run.mode == RunMode.async_
-    in_flight = [] if state.get("next_batch_in_buffer") else launch_rollouts(pools, sampler, version)
+    in_flight = deque([] for _ in range(state["in_flight"]))  # batches a checkpoint landed
+    fill_rollouts(in_flight, pools, sampler, version, cfg.run.steps)  # resumed: landed ones count
     for step in range(state["step"] + 1, cfg.run.steps + 1):
         t0 = time.time()
         # 6a. Sparse rollouts: G samples per prompt, sampler log-probs, rewards, policy version.
         # (A rollout actor that died is replaced and its share regenerated: cluster/elastic.py.)
-        rows = gather_rollouts(in_flight, pools, cfg, version)
-        more = step < cfg.run.steps
-        if overlap and more:  # async: the next rollouts start now, with the current weights, and
-            in_flight = launch_rollouts(pools, sampler, version)  # overlap scoring and training
+        rows = gather_rollouts(in_flight.popleft(), pools, cfg, version)  # the oldest batch
+        if overlap:  # async: the next rollouts start now, with the current weights, and
+            fill_rollouts(in_flight, pools, sampler, version, cfg.run.steps)  # overlap training
         ray.get(pools.buffer.append.remote(rows))
         t_roll = time.time() - t0
 
@@ -102,10 +105,10 @@ def main(argv: list[str]) -> dict:
         ray.get(pools.buffer.mark_consumed.remote(trained))
 
         # 6e. New weights to every rollout and scorer actor, between generation batches (in async
-        # mode the actors take them once their in-flight rollouts finish).
+        # mode the actors take them once their current rollout finishes; rollouts ahead: staged).
         version, sync = sync_weights(pools, cfg)
-        if not overlap and more:
-            in_flight = launch_rollouts(pools, sampler, version)
+        if not overlap:
+            fill_rollouts(in_flight, pools, sampler, version, cfg.run.steps)
 
         # 6f. Metrics: reward, mismatch and correction statistics, timings.
         record = {"step": step, "version": version, **batch_metrics(batch, version),
@@ -120,10 +123,9 @@ def main(argv: list[str]) -> dict:
         # 6g. Checkpoint (every N steps, after the last, on SIGTERM). Rollouts in flight land in
         # the buffer first, so the checkpoint holds them and a resumed run trains on the same rows.
         if stop or checkpoint.due(cfg.run, step):
-            ray.get(pools.buffer.append.remote(gather_rollouts(in_flight, pools, cfg, version)))
+            landed = land_rollouts(in_flight, pools, cfg, version)
             ckpt = checkpoint.save(run_dir, cfg, pools, step=step, version=version, sampler=sampler,
-                                   accuracy_before=acc_before, next_batch_in_buffer=bool(in_flight))
-            in_flight = []
+                                   accuracy_before=acc_before, in_flight=landed)
         if stop:  # the checkpoint is this run's result; exit code 143 (128 + SIGTERM)
             print(f"stopped by {stop.signal} after step {step}; resume={ckpt}", flush=True)
             log.close(), ray.shutdown()

@@ -110,3 +110,14 @@ def test_async_needs_a_buffer_that_keeps_one_version_old_samples():
         load_config(["run.mode=async", "buffer.max_staleness=0"])
     assert load_config(["run.mode=async"]).buffer.max_staleness >= 1
     assert load_config(["buffer.max_staleness=0"]).run.mode.value == "sync"
+
+
+def test_rollouts_ahead_is_async_only_and_bounded_by_max_staleness():
+    assert load_config([]).run.rollouts_ahead == 1
+    cfg = load_config(["run.mode=async", "buffer.max_staleness=2", "run.rollouts_ahead=2"])
+    assert cfg.run.rollouts_ahead == 2
+    for bad in (["run.mode=async", "run.rollouts_ahead=0"],
+                ["run.mode=async", "buffer.max_staleness=2", "run.rollouts_ahead=3"],
+                ["run.mode=sync", "buffer.max_staleness=2", "run.rollouts_ahead=2"]):
+        with pytest.raises(ConfigError, match="run.rollouts_ahead"):
+            load_config(bad)

@@ -25,3 +25,42 @@ def test_split_is_even_and_complete():
     assert [len(p) for p in parts] == [3, 2, 2]
     assert sum(parts, []) == list(range(7))
     assert split([1], 3) == [[1], [], []]
+
+
+def test_fill_rollouts_keeps_s_in_flight_counts_landed_ones_and_stops_at_the_last_batch():
+    from collections import deque
+    from types import SimpleNamespace
+
+    from launch.steps import fill_rollouts
+
+    calls = []
+
+    class Method:
+        def remote(self, chunk, version, batch):
+            calls.append((version, batch))
+            return f"ref{batch}"
+
+    def pools(ahead):
+        return SimpleNamespace(rollout=[SimpleNamespace(rollout=Method())], rollouts_ahead=ahead)
+
+    sampler = PromptSampler(list(range(10)), 2, seed=0)
+    q = deque()
+    fill_rollouts(q, pools(3), sampler, 0, steps=5)
+    assert [b for _, _, b, _ in (e[0] for e in q)] == [1, 2, 3] and sampler.drawn == 3
+    assert calls == [(None, 1), (None, 2), (None, 3)]  # ahead: the actors tag their own version
+    q.popleft()
+    fill_rollouts(q, pools(3), sampler, 1, steps=5)
+    q.popleft()
+    fill_rollouts(q, pools(3), sampler, 2, steps=5)  # batch 5 is the last one
+    q.popleft()
+    fill_rollouts(q, pools(3), sampler, 3, steps=5)
+    assert sampler.drawn == 5 and len(q) == 2
+    # resumed with two landed batches and s=1: nothing launched until they are gathered, and a
+    # launch with s=1 is tagged with the driver's version
+    calls.clear()
+    q = deque([[], []])
+    fill_rollouts(q, pools(1), PromptSampler(list(range(10)), 2, seed=0), 4, steps=5)
+    assert len(q) == 2 and not calls
+    q.popleft(), q.popleft()
+    fill_rollouts(q, pools(1), PromptSampler(list(range(10)), 2, seed=0), 4, steps=5)
+    assert calls == [(4, 1)]

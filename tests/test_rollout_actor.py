@@ -117,6 +117,80 @@ def test_weights_received_in_place_reach_generation(tmp_path):
         assert [r["sampler_logprobs"] for r in before] != [r["sampler_logprobs"] for r in after]
 
 
+def test_staged_weights_swap_in_between_rollouts_never_mid_generation(tmp_path):
+    """Rollouts ahead: ``stage_weights`` receives beside a rollout in progress (its own thread, as
+    in the actor's "weights" concurrency group) without touching the model; the next rollout swaps
+    the staged copy in first, checks it against the staged checksum, and tags its rows with that
+    version; they equal the rows of an actor that was handed those weights directly."""
+    from cluster.weight_sync import WeightSender, free_port
+    from common.modeling import load_model
+
+    base = str(build_tiny(tmp_path / "b", "qwen2", seed=0))
+    other = load_model(build_tiny(tmp_path / "o", "qwen2", seed=5))
+    target = NativeChecksum(other)
+    ref_old = make_actor(base).rollout(PROBLEMS, version=0, batch=1)
+    ref_new_actor = make_actor(base)
+    ref_new_actor.load_weights(list(other.named_parameters()), 11)
+    ref_new = ref_new_actor.rollout(PROBLEMS, version=11, batch=2)
+
+    actor = make_actor(base)
+    old_sum = actor.state_checksum()
+    port, spec = free_port(), actor.weight_spec()
+    go, result = threading.Event(), {}
+
+    def learner():
+        sender = WeightSender("127.0.0.1", port, 2, spec)
+        go.wait(60)
+        sender.send(list(other.named_parameters()), 11)
+        result["sent"] = True
+
+    th = threading.Thread(target=learner)
+    th.start()
+    actor.init_weight_sync("127.0.0.1", port, 1, 2)
+
+    generating, release, seen = threading.Event(), threading.Event(), []
+    orig = actor.engine.generate
+
+    def slow_generate(prompts, params):
+        generating.set()
+        assert release.wait(60)
+        out = orig(prompts, params)
+        seen.append(actor.state_checksum())  # the weights at the end of this generation
+        return out
+
+    actor.engine.generate = slow_generate
+    rolling = {}
+    gen = threading.Thread(target=lambda: rolling.update(rows=actor.rollout(PROBLEMS, None, 1)))
+    gen.start()
+    assert generating.wait(60)  # mid-generation: a broadcast arrives and is staged
+    go.set()
+    staged = actor.stage_weights()
+    th.join(60)
+    assert result.get("sent") and staged == {"version": 11, "checksum": target}
+    assert actor.state_checksum() == old_sum and actor.version == 0  # staged, not swapped
+    release.set()
+    gen.join(60)
+    rows = rolling["rows"]
+    assert seen == [old_sum]  # the whole generation ran on the old weights...
+    assert all(r["policy_version"] == 0 for r in rows)  # ...and its rows say so
+    assert [r["sampler_logprobs"] for r in rows] == [r["sampler_logprobs"] for r in ref_old]
+
+    after = actor.rollout(PROBLEMS, None, 2)  # swaps first: version 11's weights, tagged 11
+    assert seen[-1] == target and actor.version == 11 and actor.swaps == [(11, target)]
+    assert all(r["policy_version"] == 11 and r["group_id"].startswith("v11-") for r in after)
+    assert [r["sampler_logprobs"] for r in after] == [r["sampler_logprobs"] for r in ref_new]
+    actor.rollout(PROBLEMS, None, 3)  # nothing staged: no second swap
+    assert actor.swaps == [(11, target)]
+
+
+def test_swap_refuses_staged_weights_that_differ_from_their_checksum(model_dir):
+    actor = make_actor(model_dir)
+    actor._staged = {n: p.detach().clone() for n, p in actor.engine.model.named_parameters()}
+    actor._staged_version, actor._staged_sum = 5, actor.state_checksum() + 1.0
+    with pytest.raises(RuntimeError, match="checksum"):
+        actor.evaluate(PROBLEMS[:1])
+
+
 def NativeChecksum(model):
     from common.modeling import checksum
 

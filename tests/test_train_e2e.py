@@ -68,3 +68,45 @@ def test_bad_config_stops_before_ray(tmp_path):
 def test_missing_model_names_key(tmp_path):
     proc = _run([f"rollout.model_path={tmp_path / 'nope'}"], tmp_path)
     assert proc.returncode == 2 and "rollout.model_path" in proc.stderr and "nope" in proc.stderr
+
+
+def test_async_rollouts_ahead_stage_weights_and_resume(tiny_model, tmp_path):
+    """run.rollouts_ahead=2: two batches in flight while the learner trains. Each batch lags the
+    learner by at most 2 versions; every broadcast is staged on the rollout actors and its staged
+    checksum equals the learner's (each actor checks its model against that checksum when it swaps
+    the weights in, before the rows it tags with that version); a checkpoint lands both in-flight
+    batches and a resumed run counts them as in flight and completes."""
+    steps = 4
+    out = tmp_path / "runs"
+    proc = _run(["run.mode=async", "run.rollouts_ahead=2", "buffer.max_staleness=2",
+                 f"rollout.model_path={tiny_model}", f"run.steps={steps}", *SMALL_JOB,
+                 "run.checkpoint_every=2", "run.checkpoint_keep=0", "run.name=ahead",
+                 f"run.out_dir={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = out.glob("ahead-*")
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    syncs = [r for r in records if "weights/checksum" in r]
+    assert len(syncs) == steps + 1 and all(r["weights/max_rel_diff"] == 0.0 for r in syncs)
+    train = [r for r in records if "reward" in r]
+    assert [r["version"] for r in train] == list(range(1, steps + 1))
+    assert train[0]["batch/staleness_max"] == 0  # batches 1 and 2 start from version 0's weights
+    assert all(0 <= r["batch/staleness_max"] <= 2 for r in train)
+    # every trained sample is tagged with the version of its actor's weights: within the bound
+    for t in (json.loads(x) for x in (run_dir / "trained_samples.jsonl").read_text().splitlines()):
+        tags = {int(s.split("-", 1)[0][1:]) for s in t["sample_ids"]}
+        assert all(t["step"] - 1 - 2 <= v <= t["step"] - 1 for v in tags), (t["step"], tags)
+    state = json.loads((run_dir / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
+    assert state["in_flight"] == 2 and state["next_batch_in_buffer"]
+    final = json.loads((run_dir / "checkpoints" / f"step-{steps:06d}" / "trainer_state.json")
+                       .read_text())
+    assert final["in_flight"] == 0
+
+    resumed = _run([f"resume={run_dir / 'checkpoints' / 'step-000002'}", "run.name=again"],
+                   tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    (again,) = out.glob("again-*")
+    trained = [json.loads(x) for x in (again / "trained_samples.jsonl").read_text().splitlines()]
+    assert [(t["step"], t["version"]) for t in trained] == [(3, 3), (4, 4)]
+    # the two landed batches are the ones trained on: the same samples as the first run's
+    first = [json.loads(x) for x in (run_dir / "trained_samples.jsonl").read_text().splitlines()]
+    assert trained == first[2:]
