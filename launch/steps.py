@@ -100,9 +100,15 @@ def launch_rollouts(pools, sampler: PromptSampler, version: int) -> list[tuple]:
     of the weights it holds when the call starts (it swaps in staged weights first): that version
     depends on timing, between ``version`` and the learner's version when the batch is gathered."""
     problems, batch = sampler.next(), sampler.drawn
-    tag = version if pools.rollouts_ahead == 1 else None
+    tag = _row_version(pools, version)
     return [(i, chunk, batch, pools.rollout[i].rollout.remote(chunk, tag, batch))
             for i, chunk in enumerate(split(problems, len(pools.rollout))) if chunk]
+
+
+def _row_version(pools, version: int) -> int | None:
+    """The version a rollout call tags its rows with: the driver's, or with rollouts ahead None
+    (the actor tags them with the weights it swapped in, which depends on timing)."""
+    return version if pools.rollouts_ahead == 1 else None
 
 
 def fill_rollouts(in_flight, pools, sampler: PromptSampler, version: int, steps: int) -> None:
@@ -145,8 +151,8 @@ def gather_rollouts(in_flight: list[tuple], pools, cfg, version: int) -> list:
         except RayActorError as err:
             print(f"[elastic] rollout actor {i} lost ({type(err).__name__}): "
                   f"{replace_dead(pools, cfg)}", flush=True)
-            tag = version if pools.rollouts_ahead == 1 else None
-            rows += ray.get(pools.rollout[i].rollout.remote(chunk, tag, batch))
+            rows += ray.get(pools.rollout[i].rollout.remote(chunk, _row_version(pools, version),
+                                                             batch))
     return rows
 
 
