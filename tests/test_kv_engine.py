@@ -73,6 +73,31 @@ def test_peak_kv_bytes_bounded_by_budget_plus_n(model, policy):
     assert dense.last_stats["peak_kv_bytes"] > eng.last_stats["peak_kv_bytes"]
 
 
+def _mean_attended(prompt_len: int, gen: int, cap: float, budget: int) -> float:
+    """The compression rule replayed: decode step j appends one token to n slots (cut to ``budget``
+    first when n reached ``cap``) and attends n + 1; the first token comes from the prefill."""
+    n, total = prompt_len, 0
+    for _ in range(gen - 1):
+        n = budget if n >= cap else n
+        n += 1
+        total += n
+    return total / (gen - 1)
+
+
+def test_attended_slots_follow_the_compression_rule(model):
+    prompts, gen, budget, every = PROMPTS[1:], 40, 10, 6
+    dense = NativeEngine(model)
+    dense.generate(prompts, SamplingParams(max_new_tokens=gen, temperature=1.0, seed=2))
+    # closed form for dense: P + 1 .. P + G - 1 slots, mean P + G / 2, averaged over the rows
+    want = sum(len(p) + gen / 2 for p in prompts) / len(prompts)
+    assert dense.last_stats["attended_slots"] == pytest.approx(want)
+    eng = NativeEngine(model, kv("h2o", budget, every))
+    eng.generate(prompts, SamplingParams(max_new_tokens=gen, temperature=1.0, seed=2))
+    want = sum(_mean_attended(len(p), gen, budget + every, budget) for p in prompts) / len(prompts)
+    assert eng.last_stats["attended_slots"] == pytest.approx(want)
+    assert want < dense.last_stats["attended_slots"]
+
+
 def test_continuous_batching_keeps_logprobs_exact(model):
     """batch_size 2 with 5 ragged prompts and an early stop token: rows leave, new prompts are
     prefilled and join; every sequence still matches its teacher-forced sparse recomputation and

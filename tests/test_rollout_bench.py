@@ -37,10 +37,12 @@ def test_memory_matched_rows_are_info_not_bars():
             "compress_every": 128}
     rows = [dict(base, policy="dense", budget_frac=1.0, compress_every=0, batch=16, tok_per_s=100.0,
                  speed_vs_dense=1.0, kv_vs_dense=1.0),
-            dict(base, policy="rkv", batch=16, tok_per_s=150.0, speed_vs_dense=1.5, kv_vs_dense=0.31),
+            dict(base, policy="rkv", batch=16, tok_per_s=150.0, speed_vs_dense=1.5, kv_vs_dense=0.31,
+                 attn_vs_dense=0.5),
             dict(base, policy="rkv", batch=51, tok_per_s=300.0, speed_vs_dense=3.0,
                  kv_vs_dense=0.99, memory_matched=True)]
     lines = bars(rows)
     assert len(lines) == 2 and not any(ok for _, ok in lines)   # same-batch speed 1.5x, KV 0.31
+    assert "attention alone would give 2.00x" in lines[0][0]
     info, = equal_memory_info(rows)
     assert "sparse at equal KV memory: 3.00x dense tokens/s (batch 51 vs 16" in info

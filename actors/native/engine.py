@@ -21,8 +21,9 @@ Log-probs are those of the distribution each token was sampled from (``sampling.
 preallocated cache holds ``rows * cap`` tokens, cap = ``budget + compress_every`` (sparse) or
 ``longest prompt + max_new_tokens`` (dense); ``GenerationOutput.peak_kv_bytes`` is the most tokens a
 sequence had stored (all layers, K and V); ``last_stats`` has the batch's ``allocated_kv_bytes``
-(max over the call) and ``peak_kv_bytes`` (most tokens stored at once by all live rows). Transient
-extras not counted there: one layer's full prompt KV while a long prompt is compressed at prefill,
+(max over the call), ``peak_kv_bytes`` (most tokens stored at once by all live rows) and
+``attended_slots`` (KV slots a decode step reads per row, on average: what attention costs).
+Transient extras not counted there: one layer's full prompt KV while a long prompt is compressed at prefill,
 and both the old and new row sets for the moment of a refill's concatenation.
 Sampling: one ``torch.Generator`` seeded from ``SamplingParams.seed`` per call, so the same prompts,
 seed and ``batch_size`` give the same samples.
@@ -142,6 +143,7 @@ class NativeEngine:
         outs = st.outputs(self.bytes_per_token)
         self.last_stats = {"allocated_kv_bytes": allocated, "peak_kv_bytes": st.peak_total,
                            "tokens": sum(len(o.response_ids) for o in outs),
+                           "attended_slots": st.attended / max(1, st.decode_rows),
                            "time_s": time.perf_counter() - t0}
         return outs
 
@@ -289,6 +291,7 @@ class _BatchState:
         self.kept_sum = torch.zeros(b, dtype=torch.float64)
         self.peak = torch.zeros(b, dtype=torch.long)
         self.peak_total = 0
+        self.attended, self.decode_rows = 0, 0    # KV slots read by decode steps, row-steps
         self.trace = [[] for _ in range(b)] if trace else None
 
     def admit(self, ids: torch.Tensor) -> None:
@@ -322,7 +325,10 @@ class _BatchState:
         self.kept_sum[ids] += ratio
         self.peak[ids] = torch.maximum(self.peak[ids], n)
         if not first:
-            self.peak_total = max(self.peak_total, int(n.sum()))
+            total = int(n.sum())
+            self.peak_total = max(self.peak_total, total)
+            self.attended += total
+            self.decode_rows += len(ids)
 
     def compressed(self, ids, after_pos, kept_pos) -> None:
         if self.trace is not None:

@@ -1,7 +1,7 @@
 """Token sampling with the log-prob of the distribution actually sampled from.
 
 ``processed`` log-probs are of ``log_softmax(filter(logits / T))`` where filter applies top-k and then
-top-p (nucleus) truncation, i.e. exactly the distribution ``torch.multinomial`` draws from; ``raw``
+top-p (nucleus) truncation, i.e. exactly the distribution the token is drawn from; ``raw``
 log-probs are of ``log_softmax(logits / T)`` (docs/INTERFACES.md, "Log-probs"). Greedy decoding
 (temperature 0) records ``log_softmax(logits)``.
 """
@@ -25,6 +25,21 @@ def truncate(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return scaled
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of probs [B,V] by inverting the CDF: the first index whose cumulative mass
+    exceeds u * total, u ~ U[0,1). A zero-probability token is never drawn (its cumulative mass
+    equals its predecessor's, which already exceeds the threshold), including at u = 0 and when the
+    float sum falls short of 1. Same distribution as ``torch.multinomial(probs, 1)``, but one uniform
+    per row instead of one exponential per vocabulary entry: at vocab 260 and batch 64 that was 8%
+    of a CPU decode step."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=cdf.dtype)
+    # u * total can round up to total; stay strictly below it so some entry exceeds u
+    u = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
+    return (cdf <= u).sum(dim=-1)
+
+
 def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, mode: str,
            generator: torch.Generator | None):
     """logits [B,V] float32 -> (tokens [B] long, logprobs [B] float32)."""
@@ -34,6 +49,6 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, m
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
     scaled = logits / temperature
     processed = torch.log_softmax(truncate(scaled, top_k, top_p), dim=-1)
-    tok = torch.multinomial(processed.exp(), 1, generator=generator).squeeze(-1)
+    tok = draw(processed.exp(), generator)
     logp = processed if mode == "processed" else torch.log_softmax(scaled, dim=-1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
