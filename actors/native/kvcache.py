@@ -100,14 +100,22 @@ class KVStore:
         self.qwin[i].scatter_(2, (p % w)[:, None, :, None].expand_as(src), src)
 
     def gather_rows(self, i: int, rows: torch.Tensor, idx: torch.Tensor) -> None:
-        """Compact layer i of the given rows to the slots idx [R,Hkv,K] (sorted); slots [0,K)."""
-        kk = idx.shape[-1]
-        for store in (self.k, self.v):
-            t = store[i][rows]
-            store[i][rows, :, :kk] = t.gather(2, idx[..., None].expand(-1, -1, -1, t.shape[-1]))
-        self.pos[i][rows, :, :kk] = self.pos[i][rows].gather(2, idx)
-        if self.acc is not None:
-            self.acc[i][rows, :, :kk] = self.acc[i][rows].gather(2, idx)
+        """Compact layer i of the given rows to the slots idx [R,Hkv,K] (sorted); slots [0,K).
+
+        Every tensor of the layer is viewed as one row per (sequence, KV head, slot), so a whole
+        compaction is one ``index_select`` of the kept cells (memcpy of D values each) and one
+        ``index_copy_`` back into slots [0, K): no copy of the rows' full cache first, and no
+        element-wise ``gather`` over D (measured 4-5x slower at batch 64, 2k slots)."""
+        r, hkv, kk = idx.shape
+        heads = torch.arange(hkv, device=self.device)
+        base = ((rows[:, None] * hkv + heads[None]) * self.cap)[..., None]            # [R,Hkv,1]
+        src = (base + idx).view(-1)
+        dst = (base + torch.arange(kk, device=self.device)).view(-1)
+        d = self.k[i].shape[-1]
+        for t in (self.k[i].view(-1, d), self.v[i].view(-1, d), self.pos[i].view(-1),
+                  None if self.acc is None else self.acc[i].view(-1)):
+            if t is not None:
+                t.index_copy_(0, dst, t.index_select(0, src))   # select first: src and dst overlap
 
     def copy_layer_from(self, i: int, other: "KVStore", j: int, s: int) -> None:
         """Copy slots [0, s) of other's layer j into layer i (after prefill compression)."""

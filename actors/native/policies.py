@@ -50,11 +50,14 @@ class LayerView:
 
 def layer_view(store, i: int, rows: torch.Tensor, seen: torch.Tensor, dec) -> LayerView:
     """Build the view of layer i for rows; seen [R] = tokens processed by each row so far."""
-    keys, pos, n = store.k[i][rows], store.pos[i][rows], store.n.to(rows.device)[rows]
-    acc = store.acc[i][rows] if store.acc is not None else None
+    # every row compresses at once when the batch started together: read the layer in place
+    whole = rows.numel() == store.k[i].shape[0]
+    pick = (lambda t: t) if whole else (lambda t: t.index_select(0, rows))  # noqa: E731
+    keys, pos, n = pick(store.k[i]), pick(store.pos[i]), store.n.to(rows.device)[rows]
+    acc = pick(store.acc[i]) if store.acc is not None else None
     win = None
     if store.qwin is not None:
-        win = window_logits(store.qwin[i][rows], seen, keys, pos, n, dec.scaling)
+        win = window_logits(pick(store.qwin[i]), seen, keys, pos, n, dec.scaling)
     return LayerView(keys, pos, n, acc, win)
 
 
@@ -104,7 +107,13 @@ def _keep(scores: torch.Tensor, n: torch.Tensor, budget: int, first: int, last: 
     valid = slot < nn_
     forced = valid & ((slot < first) | (slot >= nn_ - last))
     scores = scores.float().masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
-    return scores.topk(budget, dim=-1).indices.sort(dim=-1).values
+    if 2 * budget <= s:
+        return scores.topk(budget, dim=-1).indices.sort(dim=-1).values
+    # Decode-time compression keeps most slots (budget of budget + N): find the s - budget to
+    # evict and list the rest in slot order (6x faster than a top-budget + sort at 2k slots)
+    evict = scores.topk(s - budget, dim=-1, largest=False).indices
+    keep = torch.ones(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, evict, False)
+    return keep.nonzero()[:, -1].view(*scores.shape[:-1], budget)
 
 
 def snapkv_scores(win: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -130,8 +139,8 @@ def redundancy(keys: torch.Tensor, n: torch.Tensor, cells: int = 1 << 18) -> tor
     """R-KV redundancy [R,Hkv,S] from key cosine similarity (invalid slots excluded).
 
     The [S,S] similarity is built for a few (row, head) pairs and a block of its rows at a time,
-    about ``cells`` entries (1 MiB of float32): the half-dozen passes over it (threshold, latest
-    match, column sums) then run in the core's cache instead of streaming tens of MB per layer from
+    about ``cells`` entries (1 MiB of float32): the passes over it (threshold, latest match) then
+    run in the core's cache instead of streaming tens of MB per layer from
     memory (at S = 2176, one pair's full matrix is 19 MB)."""
     r, h, s, d = keys.shape
     pairs = max(1, cells // (s * s))
@@ -143,7 +152,9 @@ def redundancy(keys: torch.Tensor, n: torch.Tensor, cells: int = 1 << 18) -> tor
     valid = ar[None] < n[:, None]                                            # [R,S]
     k = F.normalize(keys.float(), dim=-1, eps=1e-8) * valid[:, None, :, None]
     kt = k.transpose(-1, -2)
-    col = k.new_zeros(r, h, s)
+    # column sums of the similarity without its diagonal, sum_i k_i.k_j - k_j.k_j: one
+    # matrix-vector product instead of a pass over every block
+    col = (k @ k.sum(dim=2)[..., None]).squeeze(-1) - k.square().sum(dim=-1)
     # rows i of the [S,S] similarity in blocks of ~``cells`` entries (long caches: S = 2k+)
     block = max(16, cells // (r * h * s))
     for i0 in range(0, s, block):
@@ -156,7 +167,6 @@ def redundancy(keys: torch.Tensor, n: torch.Tensor, cells: int = 1 << 18) -> tor
         hit = (sim - RKV_SIM_THRESHOLD).relu_().sign_().mul_(ar.to(sim.dtype) + 1)
         latest = hit.amax(dim=-1).long() - 1                                 # [R,Hkv,b]
         dropped = sim.gather(-1, latest.clamp(min=0)[..., None])[..., 0] * (latest >= 0)
-        col += sim.sum(dim=-2)
         col.scatter_add_(-1, latest.clamp(min=0), -dropped)
     mean_sim = col / n[:, None, None].float()
     return torch.softmax(mean_sim.masked_fill(~valid[:, None], float("-inf")), dim=-1)
