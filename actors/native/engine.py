@@ -23,8 +23,8 @@ preallocated cache holds ``rows * cap`` tokens, cap = ``budget + compress_every`
 sequence had stored (all layers, K and V); ``last_stats`` has the batch's ``allocated_kv_bytes``
 (max over the call), ``peak_kv_bytes`` (most tokens stored at once by all live rows) and
 ``attended_slots`` (KV slots a decode step reads per row, on average: what attention costs).
-Transient extras not counted there: one layer's full prompt KV while a long prompt is compressed at prefill,
-and both the old and new row sets for the moment of a refill's concatenation.
+Transient extras not counted there: one layer's full prompt KV while a long prompt is compressed at
+prefill, and both the old and new row sets for the moment of a refill's concatenation.
 Sampling: one ``torch.Generator`` seeded from ``SamplingParams.seed`` per call, so the same prompts,
 seed and ``batch_size`` give the same samples.
 """

@@ -112,7 +112,8 @@ def _keep(scores: torch.Tensor, n: torch.Tensor, budget: int, first: int, last: 
     # Decode-time compression keeps most slots (budget of budget + N): find the s - budget to
     # evict and list the rest in slot order (6x faster than a top-budget + sort at 2k slots)
     evict = scores.topk(s - budget, dim=-1, largest=False).indices
-    keep = torch.ones(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, evict, False)
+    keep = torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
+    keep.scatter_(-1, evict, False)
     return keep.nonzero()[:, -1].view(*scores.shape[:-1], budget)
 
 
