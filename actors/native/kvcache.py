@@ -106,7 +106,7 @@ class KVStore:
         compaction is one ``index_select`` of the kept cells (memcpy of D values each) and one
         ``index_copy_`` back into slots [0, K): no copy of the rows' full cache first, and no
         element-wise ``gather`` over D (measured 4-5x slower at batch 64, 2k slots)."""
-        r, hkv, kk = idx.shape
+        _, hkv, kk = idx.shape
         heads = torch.arange(hkv, device=self.device)
         base = ((rows[:, None] * hkv + heads[None]) * self.cap)[..., None]            # [R,Hkv,1]
         src = (base + idx).view(-1)
