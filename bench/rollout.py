@@ -14,8 +14,9 @@ a native decode step reads per row, on average, against dense's (``last_stats["a
 its inverse is the speed-up sparse would get if attention were all of a decode step.
 ``peak_kv_bytes``: native = the preallocated K/V tensors of the batch (what is actually held:
 ``batch * cap * bytes/token`` with cap = budget + N for sparse policies); HF static = its static
-cache (``batch * (prompt_len + gen_len)`` tokens); HF dynamic = the final cache size; vLLM = its measured KV blocks. Ratios ``speed_vs_dense`` and ``kv_vs_dense`` are
-against dense-native of the same model and length, in the same run. At 2048+ tokens the 25%-budget
+cache (``batch * (prompt_len + gen_len)`` tokens); HF dynamic = the final cache size; vLLM = its
+measured KV blocks. Ratios ``speed_vs_dense`` and ``kv_vs_dense`` are against dense-native of the
+same model and length, in the same run. At 2048+ tokens the 25%-budget
 policies are also run with ``compress_every`` = ``--extra-every`` (64) where N = 128 cannot meet the
 KV bar: the stored tokens are (budget + N) / (prompt + gen_len) = 0.31 of dense at 2048 by
 construction (0.265 at 8192).
