@@ -73,7 +73,7 @@ def test_peak_kv_bytes_bounded_by_budget_plus_n(model, policy):
     assert dense.last_stats["peak_kv_bytes"] > eng.last_stats["peak_kv_bytes"]
 
 
-def _mean_attended(prompt_len: int, gen: int, cap: float, budget: int) -> float:
+def _mean_attended(prompt_len: int, gen: int, cap: int, budget: int) -> float:
     """The compression rule replayed: decode step j appends one token to n slots (cut to ``budget``
     first when n reached ``cap``) and attends n + 1; the first token comes from the prefill."""
     n, total = prompt_len, 0

@@ -12,6 +12,12 @@ from __future__ import annotations
 import torch
 
 
+def _blocks(rows: torch.Tensor, heads: int, width: int) -> torch.Tensor:
+    """[R, heads] offset of each (row, head) block of ``width`` cells in a layer tensor viewed flat
+    as [B*heads*width] (rows index the batch)."""
+    return (rows[:, None] * heads + torch.arange(heads, device=rows.device)[None]) * width
+
+
 class KVStore:
     def __init__(self, n_layers: int, batch: int, n_kv: int, n_heads: int, head_dim: int, cap: int,
                  dtype: torch.dtype, need_acc: bool = False, obs_window: int = 0,
@@ -66,13 +72,12 @@ class KVStore:
         head) -> the ring cell of position pos[b] (SnapKV / R-KV). One ``index_copy_`` per tensor
         and layer then replaces a broadcast advanced-index assignment."""
         b, hkv = slot.shape[0], self.k[0].shape[1]
-        base = torch.arange(b * hkv, device=self.device).view(b, hkv) * self.cap
-        cells = (base + slot[:, None]).view(-1)
+        rows = torch.arange(b, device=self.device)
+        cells = (_blocks(rows, hkv, self.cap) + slot[:, None]).view(-1)
         ring = None
         if self.qwin is not None:
             hq, w = self.qwin[0].shape[1], self.obs_window
-            rbase = torch.arange(b * hq, device=self.device).view(b, hq) * w
-            ring = (rbase + (pos % w)[:, None]).view(-1)
+            ring = (_blocks(rows, hq, w) + (pos % w)[:, None]).view(-1)
         return cells, pos.repeat_interleave(hkv), ring
 
     def append_step(self, i: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, index) -> None:
@@ -107,15 +112,15 @@ class KVStore:
         ``index_copy_`` back into slots [0, K): no copy of the rows' full cache first, and no
         element-wise ``gather`` over D (measured 4-5x slower at batch 64, 2k slots)."""
         _, hkv, kk = idx.shape
-        heads = torch.arange(hkv, device=self.device)
-        base = ((rows[:, None] * hkv + heads[None]) * self.cap)[..., None]            # [R,Hkv,1]
+        base = _blocks(rows, hkv, self.cap)[..., None]                              # [R,Hkv,1]
         src = (base + idx).view(-1)
         dst = (base + torch.arange(kk, device=self.device)).view(-1)
         d = self.k[i].shape[-1]
-        for t in (self.k[i].view(-1, d), self.v[i].view(-1, d), self.pos[i].view(-1),
-                  None if self.acc is None else self.acc[i].view(-1)):
-            if t is not None:
-                t.index_copy_(0, dst, t.index_select(0, src))   # select first: src and dst overlap
+        flat = [self.k[i].view(-1, d), self.v[i].view(-1, d), self.pos[i].view(-1)]
+        if self.acc is not None:
+            flat.append(self.acc[i].view(-1))
+        for t in flat:
+            t.index_copy_(0, dst, t.index_select(0, src))   # select first: src and dst overlap
 
     def copy_layer_from(self, i: int, other: "KVStore", j: int, s: int) -> None:
         """Copy slots [0, s) of other's layer j into layer i (after prefill compression)."""
