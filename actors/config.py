@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from common.dtypes import Dtype
 from common.errors import ConfigError
 from common.validate import check_range, check_enum
 
@@ -32,11 +33,6 @@ class LogprobMode(str, enum.Enum):
 
 
 _enum = check_enum  # shared: coerce a string to the Enum or name the key
-
-
-class Dtype(str, enum.Enum):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
 
 
 def _coerce(obj, prefix: str, fields: dict) -> None:

@@ -134,6 +134,14 @@ def connect_weight_sync(pools: Pools, cfg, port: int | None = None) -> None:
     ray.get(calls)
 
 
+def on_learners(pools: Pools, method: str, *args):
+    """``method(*args)`` on every learner rank (under ZeRO-3 the weights are partitioned, so
+    broadcasts, checksums and HF saves gather them: a collective); returns rank 0's result."""
+    import ray
+
+    return ray.get([getattr(lrn, method).remote(*args) for lrn in pools.learners])[0]
+
+
 def broadcast_weights(pools: Pools, verify: bool = True) -> tuple[int, dict]:
     """Learner rank 0 sends its weights; every receiver swaps them in between batches.
 
@@ -148,18 +156,18 @@ def broadcast_weights(pools: Pools, verify: bool = True) -> tuple[int, dict]:
     import ray
 
     ahead = pools.rollouts_ahead > 1
-    sent = pools.learners[0].broadcast_weights.remote()
+    sent = [lrn.broadcast_weights.remote() for lrn in pools.learners]  # rank 0 sends
     staged = [a.stage_weights.options(concurrency_group="weights").remote(verify)
               for a in pools.rollout] if ahead else []
     got = [a.sync_weights.remote() for a in (pools.scorer if ahead else pools.receivers)]
-    version = ray.get(sent)
+    version = ray.get(sent)[0]
     staged = ray.get(staged)
     versions = [s["version"] for s in staged] + ray.get(got)
     if any(v != version for v in versions):
         raise RuntimeError(f"weight broadcast version mismatch: learner {version}, actors {versions}")
     if not verify:
         return version, {}
-    ref = ray.get(pools.learners[0].state_checksum.remote())
+    ref = on_learners(pools, "state_checksum")
     sums = [s["checksum"] for s in staged] + ray.get(
         [a.state_checksum.remote() for a in (pools.scorer if ahead else pools.receivers)])
     diff = max(abs(s - ref) / max(abs(ref), 1e-12) for s in sums)

@@ -347,6 +347,56 @@ class WeightSender(_Group):
         return {"bytes": sum(b.numel * _itemsize(b.dtype) for b in self.buckets),
                 "buckets": len(self.buckets), "transport": "shm" if self.ring else self.backend}
 
+    @torch.no_grad()
+    def send_streamed(self, fetch, version: int) -> dict:
+        """``send`` for a sender that never holds every weight at once (ZeRO-3 partitions them):
+        ``fetch(name)`` is a context manager yielding the full tensor ``name`` (e.g. gathered for
+        the duration). Tensors are fetched in spec order, one at a time; a bucket is packed into
+        one reused buffer per dtype (a lone tensor goes out in place) and sent before the next
+        is fetched, so at most one bucket plus one tensor of full weights exist at any time.
+        Receivers need nothing special. Not over the shared-memory ring (its protocol streams
+        every bucket in one pass): create the sender with ``same_host_shm=False``."""
+        if self.ring is not None:
+            raise RuntimeError("send_streamed needs the TCP/NCCL path: WeightSender(..., "
+                               "same_host_shm=False)")
+        self.broadcast(torch.tensor([int(version), len(self.buckets)], dtype=torch.int64,
+                                    device=self.device))
+        packed: dict[torch.dtype, torch.Tensor] = {}
+        for b in self.buckets:
+            if len(b.entries) == 1:
+                name, shape, _ = self.spec[b.entries[0][0]]
+                with fetch(name) as t:
+                    self._check_shape(name, t, shape)
+                    flat = _direct(t, b.dtype, self.device, b.numel)
+                    if flat is None:
+                        flat = self._pack_buffer(packed, b)
+                        flat.copy_(t.reshape(-1))
+                    self.broadcast(flat)
+                continue
+            flat = self._pack_buffer(packed, b)
+            for idx, off, numel in b.entries:
+                name, shape, _ = self.spec[idx]
+                with fetch(name) as t:
+                    self._check_shape(name, t, shape)
+                    flat[off:off + numel].copy_(t.reshape(-1))
+            self.broadcast(flat)
+        return {"bytes": sum(b.numel * _itemsize(b.dtype) for b in self.buckets),
+                "buckets": len(self.buckets), "transport": f"{self.backend} (streamed)"}
+
+    def _pack_buffer(self, packed: dict, b: _Bucket) -> torch.Tensor:
+        """The first ``b.numel`` elements of one reused buffer per dtype, as large as the largest
+        bucket of that dtype."""
+        if b.dtype not in packed:
+            size = max(x.numel for x in self.buckets if x.dtype == b.dtype)
+            packed[b.dtype] = torch.empty(size, dtype=b.dtype, device=self.device)
+        return packed[b.dtype][:b.numel]
+
+    @staticmethod
+    def _check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"weight sync send: {name} has shape {tuple(t.shape)}, spec says "
+                             f"{shape}")
+
     def _wire(self, by_name: dict[str, torch.Tensor]):
         """Each bucket as a flat tensor: a lone tensor in place when the wire can take it as is,
         else packed into the bucket's staging buffer."""

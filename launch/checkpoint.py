@@ -77,6 +77,7 @@ def save(run_dir: Path, cfg, pools, *, step: int, version: int, sampler, accurac
     as in flight and launches more only up to ``run.rollouts_ahead``)."""
     import ray
 
+    from cluster.pools import on_learners
     from launch.config import to_yaml
 
     root = Path(run_dir) / "checkpoints"
@@ -85,7 +86,7 @@ def save(run_dir: Path, cfg, pools, *, step: int, version: int, sampler, accurac
         shutil.rmtree(part)
     part.mkdir(parents=True)
     ray.get([lrn.save_checkpoint.remote(str(part / "deepspeed")) for lrn in pools.learners])
-    ray.get(pools.learners[0].save_hf.remote(str(part / "hf")))
+    on_learners(pools, "save_hf", str(part / "hf"))
     ray.get(pools.buffer.snapshot.remote(str(part / "buffer")))
     (part / "config.yaml").write_text(to_yaml(cfg))
     state = {"step": step, "version": version, "sampler": sampler.position(),

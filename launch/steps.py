@@ -73,19 +73,6 @@ def split_rows(batch, n: int) -> list:
     return out
 
 
-def split_groups(batch, n: int) -> list:
-    """Whole groups per data-parallel learner: GRPO advantages are computed within a group."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    groups = pc.unique(batch.column("group_id")).to_pylist()
-    parts = split(groups, n)
-    if any(not g for g in parts):
-        raise ValueError(f"{len(groups)} groups cannot feed {n} learners: raise run.prompts_per_step "
-                         f"to at least learner.num_learners")
-    return [batch.filter(pc.is_in(batch.column("group_id"), pa.array(g))) for g in parts]
-
-
 def launch(actors: list, method: str, items: list, *args) -> list:
     """Start ``method(chunk, *args)`` on each actor with its share of ``items``; returns the refs."""
     return [getattr(a, method).remote(chunk, *args)

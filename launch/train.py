@@ -36,12 +36,12 @@ def main(argv: list[str]) -> dict:
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
     from buffer.tensors import to_tensors
-    from cluster.pools import broadcast_weights, build_pools, connect_weight_sync
+    from cluster.pools import broadcast_weights, build_pools, connect_weight_sync, on_learners
     from cluster.ray_setup import start_ray
     from common.modeling import load_tokenizer
     from launch.steps import (MetricsLog, PromptSampler, batch_metrics, evaluate, fill_rollouts,
-                              gather_rollouts, land_rollouts, score_pending, split_groups,
-                              sync_weights)
+                              gather_rollouts, land_rollouts, score_pending, sync_weights)
+    from learner.batch import prepare_batch, reduce_metrics, shard_batch
     from tasks import make_task
 
     t_start = time.time()
@@ -92,15 +92,18 @@ def main(argv: list[str]) -> dict:
         # 6b. Dense scorer: old-policy log-probs for every row waiting for them.
         score_pending(pools, cfg, version)
 
-        # 6c. A batch of whole groups within the staleness bound -> padded tensors per learner.
+        # 6c. A batch of whole groups within the staleness bound -> padded tensors; GRPO advantages
+        # and the correction (IS weights, rejection) over the whole batch, then whole groups per
+        # learner, so the update does not depend on how the batch is split.
         batch = ray.get(pools.buffer.sample_batch.remote(cfg.run.prompts_per_step, version))
         if batch is None:
             raise RuntimeError(f"step {step}: the buffer had no complete scored groups to train on")
-        shards = [to_tensors(b, pad_id) for b in split_groups(batch, len(pools.learners))]
+        tensors, corr = prepare_batch(to_tensors(batch, pad_id), cfg.correction, version)
+        shards = shard_batch(tensors, len(pools.learners))
 
-        # 6d. Correction + GRPO/PPO step on every data-parallel learner (DeepSpeed all-reduces).
-        metrics = ray.get([lrn.train_step.remote(sh, cfg.rollout.temperature)
-                           for lrn, sh in zip(pools.learners, shards)])[0]
+        # 6d. PPO: learner.mini_batches optimiser steps on every data-parallel learner.
+        metrics = reduce_metrics(ray.get([lrn.train_step.remote(sh, cfg.rollout.temperature)
+                                          for lrn, sh in zip(pools.learners, shards)])) | corr
         trained = batch.column("sample_id").to_pylist()
         ray.get(pools.buffer.mark_consumed.remote(trained))
 
@@ -134,7 +137,7 @@ def main(argv: list[str]) -> dict:
     # 7. Held-out accuracy after RL, the trained model in HF format, and the summary.
     acc_after = evaluate(pools.rollout, heldout, cfg.run.eval_greedy)
     log.write({"step": cfg.run.steps, "eval/accuracy": acc_after})
-    ray.get(pools.learners[0].save_hf.remote(str(run_dir / "final")))
+    on_learners(pools, "save_hf", str(run_dir / "final"))
     summary = {"steps": cfg.run.steps, "version": version, "time_s": round(time.time() - t_start, 1),
                "accuracy_before": acc_before, "accuracy_after": acc_after, "run_dir": str(run_dir)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -4,37 +4,42 @@ A plain class; the driver wraps it with ``ray.remote`` and starts ``num_learners
 data-parallel rank, all joining DeepSpeed's default process group. Rank 0 also owns the weight-sync
 sender (a *separate* group, see ``cluster/weight_sync.py``).
 
-One ``train_step``:
-  1. GRPO advantages and the mismatch correction (IS weights + rejection mask) over the whole shard:
-     both normalise over the batch, so they must not be computed per micro-batch (with
-     ``correction.staleness.enabled`` and pi_dense at the sampler's version in the batch, the
-     sparsity/staleness split of ``correction.staleness_correct``);
-  2. the shard is cut into micro-batches of ``micro_batch_size`` rows; each gets new log-probs
-     (``common.modeling.token_logprobs`` at the rollout temperature), the PPO loss and a backward
-     with DeepSpeed's accumulation boundary set by hand on the last one, because the number of
-     micro-batches follows the batch and is not a fixed ``gradient_accumulation_steps``;
-  3. one optimiser step (grad clipping and LR schedule inside DeepSpeed); ``version`` += 1.
-Each micro-batch loss is scaled by its share of the *global* (all ranks) kept tokens (or sequences
-for ``seq_mean``), times the world size that DeepSpeed's gradient averaging divides by, so the update
-equals the loss aggregated over the whole batch however it is split.
+One ``train_step`` on this rank's shard of a batch that ``learner.batch.prepare_batch`` prepared
+(GRPO advantages, IS weights and loss mask computed over the *whole* batch before the split):
+  1. the shard is cut into ``mini_batches`` row ranges, and the pass over them repeats ``epochs``
+     times; each mini-batch is one optimiser step (PPO: the old log-probs were scored before the
+     first, so from the second on the ratio moves away from 1 and the clip can bind);
+  2. a mini-batch is cut into micro-batches of at most ``micro_batch_size`` rows and
+     ``max_tokens_per_micro_batch`` padded tokens; each gets new log-probs over its kept response
+     tokens only (``common.modeling.token_logprobs``, vocabulary-chunked under checkpointing, at
+     the rollout temperature), the PPO loss and a backward with DeepSpeed's accumulation boundary
+     set by hand on the last one;
+  3. ``engine.step()`` (grad clipping and LR schedule inside DeepSpeed); ``version`` += 1 per
+     ``train_step``, i.e. per rollout batch (the unit the weight broadcast tags).
+Each micro-batch loss is scaled by its share of the mini-batch's *global* (all ranks) kept tokens
+(or sequences for ``seq_mean``), times the world size that DeepSpeed's gradient averaging divides
+by, so the update equals the loss aggregated over the whole mini-batch however it is split.
+Micro-batch counts (and, under ZeRO-3, LM-head chunk counts) are made equal on every rank, since
+ZeRO-2/3 run collectives inside every forward/backward.
+
+Under ZeRO-3 the parameters stay partitioned: the model is built inside ``zero.Init`` (through
+transformers' ``HfDeepSpeedConfig``), and the broadcast, checksums and HF saves gather one
+parameter at a time on every rank (collectives: the driver calls them on every learner).
 """
 from __future__ import annotations
 
 import math
 import os
-import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from common.modeling import checksum, load_model, token_logprobs
-from learner.config import LearnerConfig, LRSchedule, Precision
-
-# Non-weight files of an HF model directory, copied next to saved weights so the result is a
-# complete model directory (tokenizer included) usable as any actor's model_path.
-_HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                  "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+from common.dtypes import Dtype, torch_dtype
+from common.modeling import checksum_of_sums, load_model, token_logprobs
+from learner.batch import PREPARED
+from learner.config import LearnerConfig, LRSchedule
 
 
 def lr_lambda(cfg: LearnerConfig):
@@ -54,7 +59,7 @@ def lr_lambda(cfg: LearnerConfig):
 
 def deepspeed_config(cfg: LearnerConfig, world_size: int) -> dict:
     """The DeepSpeed JSON config for ``cfg`` (batch sizes are nominal: accumulation is manual)."""
-    bf16 = Precision(cfg.dtype) == Precision.BF16
+    bf16 = Dtype(getattr(cfg.dtype, "value", cfg.dtype)) == Dtype.bfloat16
     return {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": 1,
@@ -67,24 +72,6 @@ def deepspeed_config(cfg: LearnerConfig, world_size: int) -> dict:
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
-
-
-def logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                         temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``common.modeling.token_logprobs`` plus the entropy of each position's distribution.
-
-    Same alignment (position t holds the distribution that predicted token t; t=0 is 0) and the
-    same position ids; only used when the loss has an entropy bonus, since it keeps the whole
-    [B, T, V] distribution alive for the backward.
-    """
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=position_ids).logits[:, :-1].float()
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1)
-    zero = picked.new_zeros(picked.shape[0], 1)
-    return torch.cat([zero, picked], dim=1), torch.cat([zero, entropy], dim=1)
 
 
 def _set_dist_env(rank: int, world_size: int, local_rank: int, addr: str, port: int) -> None:
@@ -147,10 +134,11 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices only: biases and norm gains (1-D) are not decayed (standard AdamW practice)."""
     decay, no_decay = [], []
     for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+        if p.requires_grad:  # ZeRO-3 partitions are flat: the full shape is ds_shape
+            (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]  # ZeRO drops empty groups; the LR schedule must not
 
 
 def _combine_loss_metrics(parts: list[tuple[float, float, dict]]) -> dict[str, float]:
@@ -167,6 +155,33 @@ def _combine_loss_metrics(parts: list[tuple[float, float, dict]]) -> dict[str, f
             else:
                 out[k] = out.get(k, 0.0) + w * v
     return out
+
+
+def _check_no_dropout(model: torch.nn.Module) -> None:
+    """Gradient checkpointing needs training mode (HF checkpoints layers only then); training mode
+    must not change the forward, or the PPO ratio starts away from 1."""
+    p = float(getattr(model.config, "attention_dropout", 0.0) or 0.0)
+    p = max([p] + [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)])
+    if p > 0:
+        raise ValueError(f"learner.gradient_checkpointing needs a model without dropout (found "
+                         f"p={p}): its forward runs in training mode")
+
+
+class PolicyForward(torch.nn.Module):
+    """What DeepSpeed wraps: the HF causal LM's own modules, registered under the same names (so
+    parameter names are the HF ones the actors use), with a forward that returns token log-probs
+    (``common.modeling.token_logprobs``) instead of full logits. Going through the engine's
+    forward matters: ZeRO-3 keeps per-forward state for gradient accumulation. ``hf`` (not a
+    submodule) is the model itself, for its config and ``save_pretrained``."""
+
+    def __init__(self, hf_model: torch.nn.Module):
+        super().__init__()
+        for name, child in hf_model.named_children():
+            self.add_module(name, child)
+        object.__setattr__(self, "hf", hf_model)
+
+    def forward(self, input_ids, attention_mask, temperature, **kw):
+        return token_logprobs(self.hf, input_ids, attention_mask, temperature, **kw)
 
 
 class Learner:
@@ -193,129 +208,109 @@ class Learner:
             _disable_shm_comm()
         torch.manual_seed(cfg.seed)
         t0 = time.time()
-        # left in eval mode (as loaded): dropout off, so at the start of a step the new log-probs
-        # equal the scorer's dense old log-probs (PPO ratio 1); gradients flow in eval mode too
-        model = load_model(model_path, dtype=torch.float32)
+        self._zero3 = int(cfg.zero_stage) == 3
+        ds_config = deepspeed_config(cfg, world_size)
+        hf_zero3 = None
+        if self._zero3:  # while it lives, from_pretrained builds the model in zero.Init, so the
+            from transformers.integrations import HfDeepSpeedConfig  # weights load partitioned
+
+            hf_zero3 = HfDeepSpeedConfig(ds_config)
+        # loaded in the training dtype (never a full fp32 copy of a bf16 run); in eval mode unless
+        # checkpointing, so at the start of a step the new log-probs equal the scorer's dense old
+        # log-probs (PPO ratio 1); gradients flow in eval mode too
+        model = load_model(model_path, dtype=torch_dtype(cfg.dtype))
+        del hf_zero3  # a global switch of transformers: later loads in this process stay plain
+        if cfg.gradient_checkpointing:
+            _check_no_dropout(model)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
         opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr,
                                 betas=tuple(cfg.betas), eps=cfg.eps)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=opt, lr_scheduler=sched,
-            config=deepspeed_config(cfg, world_size))
+            model=PolicyForward(model), optimizer=opt, lr_scheduler=sched, config=ds_config)
         _reset_adam_step_counts(opt)
         self.init_seconds = time.time() - t0
-        self._zero3 = int(cfg.zero_stage) == 3
-        self._full: dict[str, torch.Tensor] | None = None
         self._sender = None
-        if self._zero3:
-            self._gather_full()
+        self._params = dict(self.engine.module.named_parameters())
 
     # ---- training -------------------------------------------------------------------------
 
     def train_step(self, tensors: dict, temperature: float = 1.0) -> dict:
-        """One optimiser step on this rank's shard (``buffer.tensors.to_tensors`` layout).
+        """``epochs`` x ``mini_batches`` optimiser steps on this rank's shard of a prepared batch
+        (``buffer.tensors.to_tensors`` layout plus ``learner.batch.PREPARED`` keys).
 
-        Every rank must call it (collectives inside). Returns float metrics: loss, grad_norm, lr,
-        adv/*, mismatch/*, correction/*, staleness/* and sparsity/* (with the staleness split,
-        see ``_correct``), loss/* (kept-token weighted over micro-batches), counts and time;
-        ``version`` after the step.
+        Every rank must call it (collectives inside). Returns this rank's float metrics: loss and
+        loss/* (kept-unit weighted over its micro-batches; ``learner.batch.reduce_metrics``
+        combines ranks), grad_norm (mean over optimiser steps), lr, counts, time; ``version``
+        after the step.
         """
-        from correction import grpo_advantages
+        from learner.plan import plan
 
+        missing = [k for k in PREPARED if k not in tensors]
+        if missing:
+            raise ValueError(f"train_step: batch lacks {missing}: run learner.batch.prepare_batch "
+                             "on the whole batch first")
         t0 = time.time()
-        cc = self.correction_cfg
-        resp = tensors["response_mask"].bool()
-        adv, adv_metrics = grpo_advantages(tensors["rewards"].float(), tensors["group_index"], cc)
-        corr = self._correct(tensors, resp)
-        keep = corr.loss_mask > 0
-        slices, units, total = self._plan_micro_batches(keep)
-        # ``total`` is global, so every rank agrees: with nothing kept anywhere there is no
-        # forward/backward and no optimiser step (Adam would still move weights on zero grads)
-        stepped = total > 0
-        metrics, grad_norm = {"loss": 0.0}, 0.0
-        if stepped:
-            local_units = sum(units)
-            parts = []
-            for i, (sl, unit) in enumerate(zip(slices, units)):
-                self.engine.set_gradient_accumulation_boundary(i == len(slices) - 1)
-                share = unit * self.world_size / total
-                loss, m = self._micro_step(tensors, sl, adv, corr, temperature, share)
-                parts.append((unit / local_units if local_units > 0 else 0.0, float(loss), m))
-            metrics = _combine_loss_metrics(parts)
-            own_norm = self._plain_grad_norm()
-            self.engine.step()
-            grad_norm = self.engine.get_global_grad_norm() or own_norm
+        keep = tensors["loss_mask"] > 0
+        minis = plan(tensors["attention_mask"].sum(1), self._unit_rows(keep), self.cfg.mini_batches,
+                     self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch,
+                     self._all_reduce if self.world_size > 1 else None)
+        parts, norms, micro = [], [], 0
+        for _ in range(self.cfg.epochs):
+            for mb in minis:
+                if mb.total <= 0:  # global, so every rank skips it: no kept token anywhere (Adam
+                    continue       # would still move the weights on zero gradients)
+                chunks = self._lm_head_chunks(tensors, keep, mb)
+                for i, (sl, unit) in enumerate(zip(mb.slices, mb.units)):
+                    self.engine.set_gradient_accumulation_boundary(i == len(mb.slices) - 1)
+                    share = unit * self.world_size / mb.total
+                    loss, m = self._micro_step(tensors, sl, temperature, share, chunks[i])
+                    parts.append((unit, float(loss), m))
+                own_norm = self._plain_grad_norm()
+                self.engine.step()
+                norm = self.engine.get_global_grad_norm()
+                norms.append(float(own_norm if norm is None or norm == 0 else norm))
+                micro += len(mb.slices)
         self.version += 1
-        if self._zero3 and stepped:
-            self._gather_full()
-        metrics.update(adv_metrics)
-        metrics.update(corr.metrics)
+        units = sum(u for u, _, _ in parts)
+        metrics = _combine_loss_metrics([(u / units if units else 0.0, l, m) for u, l, m in parts])
+        resp = tensors["response_mask"]
         metrics.update({
-            "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+            "grad_norm": sum(norms) / len(norms) if norms else 0.0,
             "lr": float(self.scheduler.get_last_lr()[0]), "version": float(self.version),
-            "learner/stepped": float(stepped), "learner/micro_batches": float(len(slices) if stepped else 0),
-            "learner/rows": float(resp.shape[0]), "learner/response_tokens": float(resp.sum()),
-            "learner/kept_tokens": float(keep.sum()), "time/train_s": time.time() - t0})
+            "learner/stepped": float(bool(norms)), "learner/optimizer_steps": float(len(norms)),
+            "learner/micro_batches": float(micro), "learner/rows": float(resp.shape[0]),
+            "learner/response_tokens": float(resp.sum()), "learner/kept_tokens": float(keep.sum()),
+            "learner/loss_units": float(units), "time/train_s": time.time() - t0})
         return metrics
 
-    def _correct(self, tensors: dict, resp: torch.Tensor):
-        """IS weights and loss mask over the whole shard.
-
-        With ``correction.staleness.enabled`` and ``dense_sampler_logprobs`` in the batch: the
-        sparsity/staleness split ``staleness_correct(sampler, dense_sampler, old, ...)`` with lag
-        n - v, v = ``policy_version``, n = ``scorer_version`` (the version ``old_logprobs`` were
-        scored at; the learner's own version where a row has none). ``old_logprobs`` (pi_dense^n)
-        stays the PPO anchor. Otherwise ``correct(sampler, old)``. ``correction/staleness_split``
-        says which (1 / 0).
-        """
-        from correction import correct, staleness_correct
-
-        cc = self.correction_cfg
-        sampler, old = tensors["sampler_logprobs"].float(), tensors["old_logprobs"].float()
-        dense_v = tensors.get("dense_sampler_logprobs")
-        if not (cc.staleness.enabled and dense_v is not None):
-            corr = correct(sampler, old, resp, cc)
-            corr.metrics["correction/staleness_split"] = 0.0
-            return corr
-        v = tensors["policy_version"].long()
-        n = tensors.get("scorer_version")
-        n = torch.full_like(v, self.version) if n is None else \
-            torch.where(n.long() >= 0, n.long(), torch.full_like(v, self.version))
-        corr = staleness_correct(sampler, dense_v.float(), old, resp, v, n, cc)
-        corr.metrics["correction/staleness_split"] = 1.0
-        return corr
-
-    def _plan_micro_batches(self, keep: torch.Tensor):
-        """Row slices, each slice's loss units (kept tokens or sequences) and the global total.
-
-        The micro-batch count is the maximum over ranks, because ZeRO-2/3 run collectives inside
-        every backward/forward; a rank with fewer rows runs 1-row micro-batches of weight 0.
-        """
-        import deepspeed.comm as dscomm
+    def _unit_rows(self, keep: torch.Tensor) -> torch.Tensor:
+        """Loss units per row: kept tokens (token_mean) or 1 per row with a kept token (seq_mean)."""
         from correction import LossAggregation
 
         per_seq = LossAggregation(self.correction_cfg.loss.aggregation) == LossAggregation.SEQ_MEAN
-        rows = keep.shape[0]
-        n_local = max(1, math.ceil(rows / self.cfg.micro_batch_size))
-        unit_rows = keep.any(1).float() if per_seq else keep.sum(1).float()
-        stats = torch.tensor([float(n_local), float(unit_rows.sum())], dtype=torch.float64)
-        if self.world_size > 1:  # on the engine's device: NCCL reduces CUDA tensors only
-            n = stats[:1].to(self.engine.device)
-            dscomm.all_reduce(n, op=dscomm.ReduceOp.MAX)
-            tot = stats[1:].to(self.engine.device)
-            dscomm.all_reduce(tot, op=dscomm.ReduceOp.SUM)
-            stats = torch.cat([n.cpu(), tot.cpu()])
-        n_mb, total = int(stats[0]), float(stats[1])
-        bounds = torch.linspace(0, rows, n_mb + 1).round().long().tolist()
-        slices, units = [], []
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            if b > a:
-                slices.append(slice(a, b))
-                units.append(float(unit_rows[a:b].sum()))
-            else:  # padding micro-batch: keeps collectives in step across ranks, adds nothing
-                slices.append(slice(0, 1))
-                units.append(0.0)
-        return slices, units, total
+        return keep.any(1).double() if per_seq else keep.sum(1).double()
+
+    def _all_reduce(self, values: torch.Tensor, op: str) -> torch.Tensor:
+        """``values`` reduced over the learner ranks (on the engine's device: NCCL reduces CUDA
+        tensors only)."""
+        import deepspeed.comm as dscomm
+
+        t = values.to(self.engine.device)
+        dscomm.all_reduce(t, op=dscomm.ReduceOp.MAX if op == "max" else dscomm.ReduceOp.SUM)
+        return t.cpu()
+
+    def _lm_head_chunks(self, tensors: dict, keep: torch.Tensor, mb) -> list[int]:
+        """Per micro-batch, how many LM-head chunks ``token_logprobs`` runs. Under ZeRO-3 with
+        several ranks each chunk gathers the head's weight (a collective), so every rank runs
+        the largest count of any rank (extra chunks are empty); elsewhere 0 (as many as needed)."""
+        if not (self._zero3 and self.world_size > 1):
+            return [0] * len(mb.slices)
+        c = self.cfg.logprob_chunk_tokens
+        need = torch.tensor([float(-(-int(keep[sl][:, 1:].sum()) // c)) for sl in mb.slices],
+                            dtype=torch.float64)
+        return [int(x) for x in self._all_reduce(need, "max").tolist()]
 
     def _plain_grad_norm(self) -> float:
         """Global grad norm before clipping when DeepSpeed does not record one (ZeRO-0 with a
@@ -326,8 +321,9 @@ class Learner:
               if p.grad is not None]
         return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
 
-    def _micro_step(self, tensors, sl, adv, corr, temperature, share):
-        """Forward + PPO loss + backward on rows ``sl``, trimmed to their longest sequence."""
+    def _micro_step(self, tensors, sl, temperature, share, min_chunks):
+        """Forward + PPO loss + backward on rows ``sl``, trimmed to their longest sequence;
+        log-probs only at kept tokens (the loss reads nothing else)."""
         from correction import policy_loss
 
         dev = self.engine.device
@@ -336,67 +332,77 @@ class Learner:
         def cut(x):  # rows of this micro-batch, trimmed to its longest sequence, on the device
             return x[sl, :t].to(dev)
 
-        ids, attn = cut(tensors["input_ids"]), cut(tensors["attention_mask"])
-        if self.correction_cfg.loss.entropy_coef > 0:
-            new_logp, entropy = logprobs_and_entropy(self.engine, ids, attn, temperature)
-        else:  # the shared helper: the same numbers the scorer computes, no [B,T,V] entropy
-            new_logp, entropy = token_logprobs(self.engine, ids, attn, temperature), None
+        cc = self.correction_cfg
+        keep = cut(tensors["loss_mask"])
+        entropy = None
+        out = self.engine(cut(tensors["input_ids"]), cut(tensors["attention_mask"]), temperature,
+                          response_mask=keep, with_entropy=cc.loss.entropy_coef > 0,
+                          chunk_tokens=self.cfg.logprob_chunk_tokens, min_chunks=min_chunks)
+        new_logp, entropy = out if cc.loss.entropy_coef > 0 else (out, None)
         ref = tensors.get("ref_logprobs")
-        loss, m = policy_loss(new_logp, cut(tensors["old_logprobs"]).float(), adv[sl].to(dev),
-                              cut(corr.weights), cut(corr.loss_mask), self.correction_cfg,
-                              ref_logp=None if ref is None else cut(ref).float(), entropy=entropy)
+        loss, m = policy_loss(new_logp, cut(tensors["old_logprobs"]).float(),
+                              tensors["advantages"][sl].to(dev), cut(tensors["is_weights"]), keep,
+                              cc, ref_logp=None if ref is None else cut(ref).float(),
+                              entropy=entropy)
         # scale_wrt_gas=False: the share already normalises over every micro-batch of every rank
         self.engine.backward(loss * share, scale_wrt_gas=False)
         return loss.detach(), m
 
-    # ---- weights --------------------------------------------------------------------------
+    # ---- weights (ZeRO-3: collectives, every rank calls them) ------------------------------
 
-    def _gather_full(self) -> None:
-        """ZeRO-3: gather every parameter (a collective over all learner ranks) and keep a full
-        copy on rank 0, so ``named_weights``/``save_hf``/broadcast work on rank 0 alone."""
+    @contextmanager
+    def _full(self, name: str):
+        """The full parameter ``name``: as is, or under ZeRO-3 gathered for the duration (every
+        rank must enter for the same names in the same order)."""
+        p = self._params[name]
+        if not self._zero3:
+            yield p.detach()
+            return
         import deepspeed
 
-        module = self.engine.module
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            if self.rank == 0:
-                self._full = {n: p.detach().clone() for n, p in module.named_parameters()}
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+            yield p.detach()
+
+    def _abs_sums(self) -> dict[str, float]:
+        sums = {}
+        for name in self._params:
+            with self._full(name) as t:
+                sums[name] = float(t.float().abs().sum())
+        return sums
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """Full (unpartitioned) weights with HF names, in ``named_parameters`` order.
-
-        Under ZeRO-3 only rank 0 holds them (gathered after every step). In bf16 mode these are
-        the bf16 module weights the forward used (the fp32 master copy stays in the optimiser).
-        """
-        if self._zero3:
-            if self._full is None:
-                raise RuntimeError("ZeRO-3 full weights are kept on learner rank 0 only")
-            return list(self._full.items())
-        return [(n, p.detach()) for n, p in self.engine.module.named_parameters()]
+        """Full weights with HF names, in ``named_parameters`` order. Under ZeRO-3 a collective
+        that gathers a CPU copy of every parameter (tests, HF saves; never the broadcast). In bf16
+        these are the bf16 module weights the forward used (fp32 masters stay in the optimiser)."""
+        if not self._zero3:
+            return [(n, p.detach()) for n, p in self._params.items()]
+        out = []
+        for name in self._params:
+            with self._full(name) as t:
+                out.append((name, t.cpu().clone()))
+        return out
 
     def weight_spec(self):
-        from cluster.weight_sync import weight_spec
-
-        if self._zero3:
-            return [(n, tuple(t.shape), t.dtype) for n, t in self.named_weights()]
-        return weight_spec(self.engine.module)
+        return [(n, tuple(getattr(p, "ds_shape", p.shape)), p.dtype)
+                for n, p in self._params.items()]
 
     def state_checksum(self) -> float:
-        return checksum(self.named_weights())
+        """``common.modeling.checksum`` of the full weights (ZeRO-3: a collective)."""
+        return checksum_of_sums(self._abs_sums())
 
     def save_hf(self, path: str) -> str | None:
-        """Rank 0 writes an HF model directory (safetensors + config + tokenizer files); other
-        ranks do nothing. Returns the path on rank 0."""
+        """Rank 0 writes an HF model directory (safetensors, config, generation config and the
+        tokenizer through ``save_pretrained``, so it is a complete ``model_path``); under ZeRO-3
+        every rank must call it (the weights are gathered). Returns the path on rank 0."""
+        from common.modeling import load_tokenizer
+
+        state = dict(self.named_weights()) if self._zero3 else None
         if self.rank != 0:
             return None
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
-        # ZeRO-3 parameters are partitioned: hand over the gathered copy instead of the module's
-        state = dict(self._full) if self._zero3 else None
-        self.engine.module.save_pretrained(str(out), state_dict=state)
-        for name in _HF_SIDE_FILES:
-            src = Path(self.model_path) / name
-            if src.is_file():
-                shutil.copy2(src, out / name)
+        self.engine.module.hf.save_pretrained(str(out), state_dict=state)
+        load_tokenizer(self.model_path).save_pretrained(str(out))
         return str(out)
 
     # ---- checkpoints (all ranks) ----------------------------------------------------------
@@ -423,16 +429,16 @@ class Learner:
             torch.set_rng_state(rng["torch"])
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
-        if self._zero3:
-            self._gather_full()
         return self.version
 
-    # ---- weight broadcast (rank 0) --------------------------------------------------------
+    # ---- weight broadcast -----------------------------------------------------------------
 
     def init_weight_sync(self, host: str, port: int, world_size: int, backend: str = "gloo",
                          bucket_mb: int = 64, timeout_s: float = 300.0) -> None:
         """Join the weight-sync group as its rank 0 (learner rank 0 only). A collective with
-        every receiver's ``init_weight_sync``; ``timeout_s`` bounds its waits and every send's."""
+        every receiver's ``init_weight_sync``; ``timeout_s`` bounds its waits and every send's.
+        Under ZeRO-3 the weights stream out one gathered parameter at a time, over TCP/NCCL
+        (the same-host shared-memory ring wants every bucket at hand at once)."""
         from cluster.weight_sync import WeightSender
 
         if self.rank != 0:
@@ -440,12 +446,24 @@ class Learner:
         if self._sender is not None:  # re-forming (actor restart / pool resize): leave the old group
             self._sender.close()
         self._sender = WeightSender(host, port, world_size, self.weight_spec(), backend=backend,
-                                    bucket_bytes=int(bucket_mb) << 20, timeout_s=float(timeout_s))
+                                    bucket_bytes=int(bucket_mb) << 20, timeout_s=float(timeout_s),
+                                    same_host_shm=not self._zero3)
 
     def broadcast_weights(self) -> int:
-        """Send the current weights tagged with ``version`` (a collective with every receiver's
-        ``sync_weights``). Returns the version sent."""
+        """Rank 0 sends the current weights tagged with ``version`` (a collective with every
+        receiver's ``sync_weights``). Under ZeRO-3 every learner rank must call it: parameters
+        are gathered one at a time (a collective), sent, and released, so no rank ever holds a
+        full copy. Returns the version."""
+        if self.rank != 0:
+            if self._zero3:
+                for name in self._params:  # the same gathers, in the same order, as rank 0's send
+                    with self._full(name):
+                        pass
+            return self.version
         if self._sender is None:
             raise RuntimeError("init_weight_sync was not called on learner rank 0")
-        self._sender.send(self.named_weights(), self.version)
+        if not self._zero3:
+            self._sender.send(self.named_weights(), self.version)
+            return self.version
+        self._sender.send_streamed(self._full, self.version)
         return self.version

@@ -103,3 +103,28 @@ class WeightSource:
             p.add_(scale * torch.randn(p.shape, generator=g))
         self.version += 1
         return self.version
+
+
+def train(learner, batch: dict, temperature: float = 1.0) -> dict:
+    """What the driver does for one learner on the whole batch: ``prepare_batch`` with the
+    learner's correction config, then ``train_step``; the metrics of both."""
+    from learner.batch import prepare_batch
+
+    prepared, corr = prepare_batch(batch, learner.correction_cfg, learner.version)
+    return {**learner.train_step(prepared, temperature), **corr}
+
+
+def naive_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The textbook computation ``common.modeling.token_logprobs`` replaces, as the reference of
+    its tests and of ``bench/learner_memory.py``: the model's full forward, fp32 logits for every
+    position and the whole vocabulary, ``log_softmax``, gather. Returns ([B, T] log-probs, [B, T]
+    entropies), position 0 = 0."""
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=position_ids).logits[:, :-1].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    zero = picked.new_zeros(picked.shape[0], 1)
+    return torch.cat([zero, picked], dim=1), torch.cat([zero, entropy], dim=1)

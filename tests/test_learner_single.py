@@ -13,7 +13,7 @@ from common.modeling import checksum, load_model
 from correction import CorrectionConfig
 from learner.config import LearnerConfig, LRSchedule
 from learner.learner import Learner, lr_lambda
-from learner.testing import make_batch
+from learner.testing import make_batch, train
 
 torch.set_num_threads(1)
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache",
@@ -58,11 +58,11 @@ def test_lr_schedule_warmup_and_cosine():
     assert g(0) == g(1000) == 1.0
 
 
-@pytest.mark.parametrize("stage,dtype", [(1, "fp32"), (2, "bf16"), (3, "fp32")])
+@pytest.mark.parametrize("stage,dtype", [(1, "float32"), (2, "bfloat16"), (3, "float32")])
 def test_step_changes_weights_and_bumps_version(model_dir, batch, tmp_path, stage, dtype):
     lrn = _learner(model_dir, zero_stage=stage, dtype=dtype, micro_batch_size=5)
     before = lrn.state_checksum()
-    m = lrn.train_step(batch, temperature=1.0)
+    m = train(lrn, batch, temperature=1.0)
     assert lrn.version == 1 and m["version"] == 1.0
     assert lrn.state_checksum() != before
     assert m["learner/micro_batches"] == 3 and m["learner/stepped"] == 1.0
@@ -79,9 +79,9 @@ def test_step_changes_weights_and_bumps_version(model_dir, batch, tmp_path, stag
 
 def test_micro_batching_does_not_change_the_update(model_dir, batch):
     one = _learner(model_dir, micro_batch_size=12, zero_stage=0, grad_clip=0.0)
-    one.train_step(batch)
+    train(one, batch)
     many = _learner(model_dir, micro_batch_size=5, zero_stage=0, grad_clip=0.0)
-    many.train_step(batch)
+    train(many, batch)
     for (n, a), (_, b) in zip(one.named_weights(), many.named_weights()):
         # atol: Adam's first step is ~lr*sign(g), so a g near 0 may differ by ~1e-6
         torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
@@ -92,7 +92,7 @@ def test_nothing_kept_means_no_update(model_dir, batch):
     b = dict(batch)
     b["sampler_logprobs"] = b["old_logprobs"] + 30.0 * b["response_mask"]  # every token vetoed
     before = lrn.state_checksum()
-    m = lrn.train_step(b)
+    m = train(lrn, b)
     assert m["learner/stepped"] == 0.0 and m["learner/kept_tokens"] == 0
     assert lrn.state_checksum() == before and lrn.version == 1
 
@@ -100,8 +100,8 @@ def test_nothing_kept_means_no_update(model_dir, batch):
 def test_broadcast_from_learner_to_a_receiver(model_dir, batch):
     from cluster.weight_sync import WeightReceiver, free_port, weight_spec
 
-    lrn = _learner(model_dir, zero_stage=1, dtype="bf16")
-    lrn.train_step(batch)
+    lrn = _learner(model_dir, zero_stage=1, dtype="bfloat16")
+    train(lrn, batch)
     actor_model = load_model(model_dir)  # fp32 actor receiving a bf16 learner's weights
     port = free_port()
     got = {}
@@ -120,30 +120,50 @@ def test_broadcast_from_learner_to_a_receiver(model_dir, batch):
     assert got["checksum"] == pytest.approx(lrn.state_checksum(), rel=1e-9)
 
 
-def test_entropy_bonus_path_matches_token_logprobs(model_dir, batch):
+@pytest.mark.parametrize("chunk", [1, 7, 4096])
+def test_chunked_logprobs_equal_the_full_vocabulary_computation(model_dir, batch, chunk):
+    """Response-only, vocabulary-chunked log-probs and entropies (checkpointed per chunk) equal the
+    textbook full-logits computation, values and gradients, whatever the chunk size."""
     from common.modeling import token_logprobs
-    from learner.learner import logprobs_and_entropy
+    from learner.testing import naive_token_logprobs
 
     model = load_model(model_dir)
-    ids, attn = batch["input_ids"], batch["attention_mask"]
-    with torch.no_grad():
-        lp, ent = logprobs_and_entropy(model, ids, attn, 0.8)
-        torch.testing.assert_close(lp, token_logprobs(model, ids, attn, 0.8))
-    assert (ent[:, 1:][attn[:, 1:] > 0] > 0).all() and (ent[:, 0] == 0).all()
+    ids, attn, resp = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
+    r = resp.bool()
+    ref_lp, ref_ent = naive_token_logprobs(model, ids, attn, 0.8)
+    lp, ent = token_logprobs(model, ids, attn, 0.8, response_mask=resp, with_entropy=True,
+                             chunk_tokens=chunk)
+    torch.testing.assert_close(lp[r], ref_lp[r], rtol=0, atol=2e-6)
+    torch.testing.assert_close(ent[r], ref_ent[r], rtol=0, atol=5e-6)
+    assert (lp[~r] == 0).all() and (ent[~r] == 0).all() and (ent[r] > 0).all()
+    grads = []
+    for out in ((ref_lp + 0.1 * ref_ent), (lp + 0.1 * ent)):
+        model.zero_grad()
+        (out * resp).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():  # without a response mask: every attended position
+        full = token_logprobs(model, ids, attn, 0.8, chunk_tokens=chunk)
+    a = attn.bool() & (torch.arange(ids.shape[1]) > 0)
+    torch.testing.assert_close(full[a], ref_lp.detach()[a], rtol=0, atol=2e-6)
+
+
+def test_entropy_bonus_reaches_the_loss(model_dir, batch):
     corr = CorrectionConfig()
     corr.loss.entropy_coef = 0.01
-    m = _learner(model_dir, zero_stage=1, correction=corr).train_step(batch, temperature=0.8)
+    m = train(_learner(model_dir, zero_stage=1, correction=corr), batch, temperature=0.8)
     assert m["loss/entropy"] > 0
 
 
-@pytest.mark.parametrize("a,b", [((0, "bf16"), (1, "bf16")), ((0, "fp32"), (3, "fp32"))])
+@pytest.mark.parametrize("a,b", [((0, "bfloat16"), (1, "bfloat16")), ((0, "float32"), (3, "float32"))])
 def test_zero_stages_take_the_same_step(model_dir, batch, a, b):
     """Stages differ in where state lives, not in the update (this caught DeepSpeed's bf16 ZeRO-0
     dummy optimizer step that shifted Adam's bias correction)."""
     out = []
     for stage, dtype in (a, b):
         lrn = _learner(model_dir, zero_stage=stage, dtype=dtype, micro_batch_size=5)
-        lrn.train_step(batch)
+        train(lrn, batch)
         out.append(dict(lrn.named_weights()))
     for n in out[0]:
         torch.testing.assert_close(out[0][n].float(), out[1][n].float(), rtol=1e-2, atol=2e-5)
@@ -155,15 +175,15 @@ def test_checkpoint_resume_continues_exactly(model_dir, batch, tmp_path, stage):
     step 2 (Adam moments and LR schedule included)."""
     kw = dict(zero_stage=stage, warmup_steps=2, micro_batch_size=5)
     a = _learner(model_dir, **kw)
-    a.train_step(batch)
+    train(a, batch)
     a.save_checkpoint(str(tmp_path / "ckpt"))
     rng_a = torch.rand(3)  # the learner process's RNG stream after the checkpoint
-    a.train_step(batch)
+    train(a, batch)
     b = _learner(model_dir, **kw)
     torch.manual_seed(1234)
     assert b.load_checkpoint(str(tmp_path / "ckpt")) == 1
     assert torch.equal(torch.rand(3), rng_a)  # RNG state came back with the checkpoint
-    b.train_step(batch)
+    train(b, batch)
     assert b.version == a.version == 2
     for (n, x), (_, y) in zip(a.named_weights(), b.named_weights()):
         assert torch.equal(x, y), n

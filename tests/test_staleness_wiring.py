@@ -22,6 +22,7 @@ from buffer.synth import dense_scores, synthetic_rows
 from buffer.tensors import to_tensors
 from common.errors import ConfigError
 from common.modeling import load_model
+from learner.testing import train
 from correction import CorrectionConfig, correct
 from tasks.base import Problem
 
@@ -173,7 +174,7 @@ def _step(model_dir, batch, staleness: bool, normalize: bool = True):
     cc.is_.normalize = normalize
     lrn = Learner(LearnerConfig(lr=1e-3, zero_stage=0, grad_clip=0.0, micro_batch_size=12), cc,
                   model_dir, master_port=_PORT)
-    m = lrn.train_step(batch)
+    m = train(lrn, batch)
     return m, dict(lrn.named_weights())
 
 

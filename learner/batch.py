@@ -1,0 +1,92 @@
+"""The rollout batch before it is split over data-parallel learners, and their metrics after.
+
+``prepare_batch`` runs once per rollout batch on the *whole* batch (the driver calls it on the
+``buffer.tensors.to_tensors`` output): GRPO advantages and the mismatch correction both normalise
+over the batch (IS weights to mean 1 over the kept tokens; advantages within a group), so computing
+them before the split makes the update independent of how rows are shared among learners (the
+global sums and counts an all-reduce would produce, without one). ``shard_batch`` then gives each
+learner whole groups; ``reduce_metrics`` folds the learners' own metrics back into one record.
+Imports torch and ``correction`` only (no Ray, no DeepSpeed).
+"""
+from __future__ import annotations
+
+import torch
+
+# Keys ``prepare_batch`` adds and ``Learner.train_step`` requires.
+PREPARED = ("advantages", "is_weights", "loss_mask")
+
+
+def prepare_batch(tensors: dict, cfg, learner_version: int) -> tuple[dict, dict[str, float]]:
+    """Advantages, IS weights and loss mask for the whole batch; returns (tensors + PREPARED keys,
+    adv/*, correction/*, mismatch/* metrics).
+
+    ``cfg`` is the ``CorrectionConfig``. With ``cfg.staleness.enabled`` and pi_dense at the
+    sampler's version in the batch (``dense_sampler_logprobs``): the sparsity/staleness split
+    ``staleness_correct(sampler, dense_sampler, old, ...)`` with lag n - v, v =
+    ``policy_version``, n = ``scorer_version`` (the version ``old_logprobs`` were scored at;
+    ``learner_version`` where a row has none). ``old_logprobs`` (pi_dense^n) stays the PPO anchor.
+    Otherwise ``correct(sampler, old)``. ``correction/staleness_split`` says which (1 / 0).
+    """
+    from correction import correct, grpo_advantages, staleness_correct
+
+    resp = tensors["response_mask"].bool()
+    adv, metrics = grpo_advantages(tensors["rewards"].float(), tensors["group_index"], cfg)
+    sampler, old = tensors["sampler_logprobs"].float(), tensors["old_logprobs"].float()
+    dense_v = tensors.get("dense_sampler_logprobs")
+    if cfg.staleness.enabled and dense_v is not None:
+        v = tensors["policy_version"].long()
+        n = tensors.get("scorer_version")
+        now = torch.full_like(v, int(learner_version))
+        n = now if n is None else torch.where(n.long() >= 0, n.long(), now)
+        corr = staleness_correct(sampler, dense_v.float(), old, resp, v, n, cfg)
+        corr.metrics["correction/staleness_split"] = 1.0
+    else:
+        corr = correct(sampler, old, resp, cfg)
+        corr.metrics["correction/staleness_split"] = 0.0
+    metrics.update(corr.metrics)
+    out = dict(tensors)
+    out.update(advantages=adv, is_weights=corr.weights, loss_mask=corr.loss_mask)
+    return out, metrics
+
+
+def shard_batch(tensors: dict, n: int) -> list[dict]:
+    """Whole GRPO groups per data-parallel learner, as contiguous row sets in group order (every
+    [B, ...] tensor is indexed the same way). Raises if there are fewer groups than learners."""
+    groups = torch.unique(tensors["group_index"], sorted=True)
+    if groups.numel() < n:
+        raise ValueError(f"{groups.numel()} groups cannot feed {n} learners: raise "
+                         "run.prompts_per_step to at least learner.num_learners")
+    rows = tensors["group_index"].shape[0]
+    out = []
+    for part in torch.tensor_split(groups, n):
+        idx = torch.isin(tensors["group_index"], part).nonzero().squeeze(1)
+        out.append({k: v[idx] if torch.is_tensor(v) and v.dim() and v.shape[0] == rows else v
+                    for k, v in tensors.items()})
+    return out
+
+
+def reduce_metrics(per_rank: list[dict]) -> dict[str, float]:
+    """One record from every learner rank's ``train_step`` metrics.
+
+    Counts (``num_``, ``learner/rows``, ``learner/*_tokens``) are summed, ``*_max`` maxed,
+    ``time/*`` maxed (the step waits for the slowest rank), ``loss*`` averaged weighted by each
+    rank's share of the loss units (``learner/loss_units``); the rest (grad norm, lr, version,
+    optimiser steps: equal on every rank after DeepSpeed's all-reduce) is rank 0's.
+    """
+    first = per_rank[0]
+    units = [float(m.get("learner/loss_units", 0.0)) for m in per_rank]
+    total = sum(units)
+    out: dict[str, float] = {}
+    for k, v in first.items():
+        vals = [float(m[k]) for m in per_rank if k in m]
+        if "num_" in k or k in ("learner/rows", "learner/loss_units") or \
+                (k.startswith("learner/") and k.endswith("_tokens")):
+            out[k] = sum(vals)
+        elif k.endswith("_max") or k.startswith("time/"):
+            out[k] = max(vals)
+        elif k.startswith("loss"):
+            out[k] = (sum(u * float(m.get(k, 0.0)) for u, m in zip(units, per_rank)) / total
+                      if total > 0 else float(v))
+        else:
+            out[k] = float(v)
+    return out
