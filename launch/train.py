@@ -98,7 +98,8 @@ def main(argv: list[str]) -> dict:
         batch = ray.get(pools.buffer.sample_batch.remote(cfg.run.prompts_per_step, version))
         if batch is None:
             raise RuntimeError(f"step {step}: the buffer had no complete scored groups to train on")
-        tensors, corr = prepare_batch(to_tensors(batch, pad_id), cfg.correction, version)
+        tensors, corr = prepare_batch(to_tensors(batch, pad_id), cfg.correction, version,
+                                      cfg.learner.mini_batches)
         shards = shard_batch(tensors, len(pools.learners))
 
         # 6d. PPO: learner.mini_batches optimiser steps on every data-parallel learner.

@@ -13,12 +13,15 @@ from __future__ import annotations
 import torch
 
 # Keys ``prepare_batch`` adds and ``Learner.train_step`` requires.
-PREPARED = ("advantages", "is_weights", "loss_mask")
+PREPARED = ("advantages", "is_weights", "loss_mask", "mini_batch")
 
 
-def prepare_batch(tensors: dict, cfg, learner_version: int) -> tuple[dict, dict[str, float]]:
-    """Advantages, IS weights and loss mask for the whole batch; returns (tensors + PREPARED keys,
-    adv/*, correction/*, mismatch/* metrics).
+def prepare_batch(tensors: dict, cfg, learner_version: int,
+                  mini_batches: int = 1) -> tuple[dict, dict[str, float]]:
+    """Advantages, IS weights and loss mask for the whole batch, and each row's mini-batch (the
+    groups, in order, cut into ``mini_batches`` nearly equal runs: one optimiser step each, the
+    same whatever the number of learners); returns (tensors + PREPARED keys, adv/*,
+    correction/*, mismatch/* metrics).
 
     ``cfg`` is the ``CorrectionConfig``. With ``cfg.staleness.enabled`` and pi_dense at the
     sampler's version in the batch (``dense_sampler_logprobs``): the sparsity/staleness split
@@ -45,21 +48,35 @@ def prepare_batch(tensors: dict, cfg, learner_version: int) -> tuple[dict, dict[
         corr.metrics["correction/staleness_split"] = 0.0
     metrics.update(corr.metrics)
     out = dict(tensors)
-    out.update(advantages=adv, is_weights=corr.weights, loss_mask=corr.loss_mask)
+    groups, inv = torch.unique(tensors["group_index"], sorted=True, return_inverse=True)
+    if groups.numel() < mini_batches:
+        raise ValueError(f"{groups.numel()} groups cannot make {mini_batches} mini-batches: "
+                         "learner.mini_batches must be at most run.prompts_per_step")
+    mini = torch.cat([torch.full((len(p),), i) for i, p in
+                      enumerate(torch.tensor_split(torch.arange(groups.numel()), mini_batches))])
+    out.update(advantages=adv, is_weights=corr.weights, loss_mask=corr.loss_mask,
+               mini_batch=mini[inv])
     return out, metrics
 
 
 def shard_batch(tensors: dict, n: int) -> list[dict]:
-    """Whole GRPO groups per data-parallel learner, as contiguous row sets in group order (every
-    [B, ...] tensor is indexed the same way). Raises if there are fewer groups than learners."""
-    groups = torch.unique(tensors["group_index"], sorted=True)
-    if groups.numel() < n:
-        raise ValueError(f"{groups.numel()} groups cannot feed {n} learners: raise "
-                         "run.prompts_per_step to at least learner.num_learners")
-    rows = tensors["group_index"].shape[0]
+    """One shard per data-parallel learner: each mini-batch's groups split in ``n`` nearly equal
+    runs, rank r taking the r-th run of every mini-batch, rows ordered by mini-batch (every
+    [B, ...] tensor is indexed the same way). A mini-batch with fewer groups than learners leaves
+    some without rows in it (they run padding micro-batches); a learner with no row at all is an
+    error."""
+    g, mini = tensors["group_index"], tensors["mini_batch"]
+    rows = g.shape[0]
+    picks: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    for m in torch.unique(mini, sorted=True).tolist():
+        groups = torch.unique(g[mini == m], sorted=True)
+        for r, part in enumerate(torch.tensor_split(groups, n)):
+            picks[r].append(torch.isin(g, part).nonzero().squeeze(1))
     out = []
-    for part in torch.tensor_split(groups, n):
-        idx = torch.isin(tensors["group_index"], part).nonzero().squeeze(1)
+    for r, idx in enumerate(torch.cat(p) for p in picks):
+        if not idx.numel():
+            raise ValueError(f"learner {r} of {n} gets no group: run.prompts_per_step must be at "
+                             "least learner.num_learners")
         out.append({k: v[idx] if torch.is_tensor(v) and v.dim() and v.shape[0] == rows else v
                     for k, v in tensors.items()})
     return out

@@ -6,8 +6,9 @@ sender (a *separate* group, see ``cluster/weight_sync.py``).
 
 One ``train_step`` on this rank's shard of a batch that ``learner.batch.prepare_batch`` prepared
 (GRPO advantages, IS weights and loss mask computed over the *whole* batch before the split):
-  1. the shard is cut into ``mini_batches`` row ranges, and the pass over them repeats ``epochs``
-     times; each mini-batch is one optimiser step (PPO: the old log-probs were scored before the
+  1. the shard's rows of each of the ``mini_batches`` mini-batches (``prepare_batch`` assigns whole
+     groups to them, the same however many learners share the batch) are taken in turn, and the
+     pass repeats ``epochs`` times; each mini-batch is one optimiser step (PPO: the old log-probs were scored before the
      first, so from the second on the ratio moves away from 1 and the clip can bind);
   2. a mini-batch is cut into micro-batches of at most ``micro_batch_size`` rows and
      ``max_tokens_per_micro_batch`` padded tokens; each gets new log-probs over its kept response
@@ -253,8 +254,9 @@ class Learner:
                              "on the whole batch first")
         t0 = time.time()
         keep = tensors["loss_mask"] > 0
-        minis = plan(tensors["attention_mask"].sum(1), self._unit_rows(keep), self.cfg.mini_batches,
-                     self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch,
+        minis = plan(tensors["attention_mask"].sum(1), self._unit_rows(keep), tensors["mini_batch"],
+                     self.cfg.mini_batches, self.cfg.micro_batch_size,
+                     self.cfg.max_tokens_per_micro_batch,
                      self._all_reduce if self.world_size > 1 else None)
         parts, norms, micro = [], [], 0
         for _ in range(self.cfg.epochs):
@@ -266,7 +268,8 @@ class Learner:
                     self.engine.set_gradient_accumulation_boundary(i == len(mb.slices) - 1)
                     share = unit * self.world_size / mb.total
                     loss, m = self._micro_step(tensors, sl, temperature, share, chunks[i])
-                    parts.append((unit, float(loss), m))
+                    if unit > 0:  # padding micro-batches (and all-rejected ones) report nothing
+                        parts.append((unit, float(loss), m))
                 own_norm = self._plain_grad_norm()
                 self.engine.step()
                 norm = self.engine.get_global_grad_norm()

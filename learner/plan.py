@@ -1,6 +1,7 @@
 """How one learner rank cuts its shard into mini-batches and micro-batches (pure; no DeepSpeed).
 
-Mini-batches are nearly equal contiguous row ranges (one optimiser step each). Inside one, rows are
+Mini-batches (one optimiser step each) are given per row by the driver (``learner.batch``), the same
+however the batch is split over learners; this rank's rows of each are contiguous. Inside one, rows are
 packed greedily, in order, into micro-batches of at most ``max_rows`` rows and ``max_tokens`` padded
 tokens (rows x the longest row's length; 0: no token bound), so activation memory follows tokens,
 not rows. ZeRO-2/3 run collectives in every forward/backward, so every rank must run the same
@@ -41,23 +42,26 @@ def micro_slices(lengths: list[int], max_rows: int, max_tokens: int, start: int 
     return out
 
 
-def mini_ranges(rows: int, n: int) -> list[tuple[int, int]]:
-    """``n`` contiguous, nearly equal row ranges (some empty when n > rows)."""
-    k, r = divmod(rows, n)
-    out, a = [], 0
-    for i in range(n):
-        b = a + k + (1 if i < r else 0)
-        out.append((a, b))
-        a = b
-    return out
+def mini_ranges(mini_batch: torch.Tensor, n: int) -> list[tuple[int, int]]:
+    """Row range of each of the ``n`` mini-batches, from each row's mini-batch index (rows are
+    ordered by it; a range is empty where this rank has no row of that mini-batch)."""
+    if mini_batch.numel() and not bool((mini_batch[1:] >= mini_batch[:-1]).all()):
+        raise ValueError("rows must be ordered by mini-batch (learner.batch.shard_batch does it)")
+    ends = torch.bincount(mini_batch.long(), minlength=n).cumsum(0).tolist()
+    if len(ends) > n:
+        raise ValueError(f"a row's mini-batch index is >= learner.mini_batches ({n})")
+    return list(zip([0] + ends[:-1], ends))
 
 
-def plan(lengths: torch.Tensor, unit_rows: torch.Tensor, mini_batches: int, max_rows: int,
-         max_tokens: int, reduce: Reduce | None = None) -> list[MiniBatch]:
+def plan(lengths: torch.Tensor, unit_rows: torch.Tensor, mini_batch: torch.Tensor,
+         mini_batches: int, max_rows: int, max_tokens: int,
+         reduce: Reduce | None = None) -> list[MiniBatch]:
     """Mini-batches of this rank's rows (``lengths`` [B] tokens per row, ``unit_rows`` [B] loss
-    units per row), micro-batch counts equalised and totals summed over ranks by ``reduce``."""
+    units per row, ``mini_batch`` [B] each row's mini-batch index from
+    ``learner.batch.prepare_batch``), micro-batch counts equalised and totals summed over ranks
+    by ``reduce``."""
     minis = []
-    for a, b in mini_ranges(int(lengths.shape[0]), mini_batches):
+    for a, b in mini_ranges(mini_batch, mini_batches):
         sl = micro_slices(lengths[a:b].tolist(), max_rows, max_tokens, start=a)
         minis.append((sl, [float(unit_rows[s].sum()) for s in sl]))
     counts = torch.tensor([float(len(s)) for s, _ in minis], dtype=torch.float64)

@@ -110,7 +110,8 @@ def train(learner, batch: dict, temperature: float = 1.0) -> dict:
     learner's correction config, then ``train_step``; the metrics of both."""
     from learner.batch import prepare_batch
 
-    prepared, corr = prepare_batch(batch, learner.correction_cfg, learner.version)
+    prepared, corr = prepare_batch(batch, learner.correction_cfg, learner.version,
+                                   learner.cfg.mini_batches)
     return {**learner.train_step(prepared, temperature), **corr}
 
 

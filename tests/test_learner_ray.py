@@ -9,6 +9,7 @@ import pytest
 from common.modeling import load_model
 from correction import CorrectionConfig
 from learner.config import LearnerConfig
+from learner.batch import prepare_batch, shard_batch
 from learner.testing import make_batch, make_tiny_model
 
 
@@ -53,11 +54,12 @@ def test_two_ray_learners_train_and_broadcast_to_a_scorer(ray_local, tmp_path):
     before = ray.get(scorer.state_checksum.remote())
 
     batch = make_batch(num_groups=4, group_size=4, model=load_model(model_dir))
-    shards = [{k: v[:8] for k, v in batch.items()}, {k: v[8:] for k, v in batch.items()}]
+    shards = shard_batch(prepare_batch(batch, CorrectionConfig(), 0)[0], 2)
     metrics = ray.get([lrn.train_step.remote(sh, 1.0) for lrn, sh in zip(learners, shards)])
     assert [m["version"] for m in metrics] == [1.0, 1.0]
 
-    sent, got = ray.get([learners[0].broadcast_weights.remote(), scorer.sync_weights.remote()])
+    sent, _, got = ray.get([lrn.broadcast_weights.remote() for lrn in learners]
+                           + [scorer.sync_weights.remote()])
     assert sent == got == 1
     sums = ray.get([lrn.state_checksum.remote() for lrn in learners] + [scorer.state_checksum.remote()])
     assert sums[0] == sums[1] == pytest.approx(sums[2], rel=1e-12)

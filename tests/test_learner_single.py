@@ -42,7 +42,10 @@ def test_config_validation_names_keys():
     for kw, key in [({"zero_stage": 4}, "learner.zero_stage"), ({"lr": 0.0}, "learner.lr"),
                     ({"betas": (0.9, 1.0)}, "learner.betas.1"),
                     ({"micro_batch_size": 0}, "learner.micro_batch_size"),
-                    ({"dtype": "fp16"}, "learner.dtype"), ({"lr_schedule": "step"}, "learner.lr_schedule"),
+                    ({"mini_batches": 0}, "learner.mini_batches"), ({"epochs": 0}, "learner.epochs"),
+                    ({"max_tokens_per_micro_batch": -1}, "learner.max_tokens_per_micro_batch"),
+                    ({"logprob_chunk_tokens": 0}, "learner.logprob_chunk_tokens"),
+                    ({"dtype": "bf16"}, "learner.dtype"), ({"lr_schedule": "step"}, "learner.lr_schedule"),
                     ({"grad_clip": -1.0}, "learner.grad_clip")]:
         with pytest.raises(ConfigError) as e:
             LearnerConfig(**kw).validate("learner")
@@ -85,6 +88,58 @@ def test_micro_batching_does_not_change_the_update(model_dir, batch):
     for (n, a), (_, b) in zip(one.named_weights(), many.named_weights()):
         # atol: Adam's first step is ~lr*sign(g), so a g near 0 may differ by ~1e-6
         torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+
+
+def test_token_budget_and_checkpointing_do_not_change_the_update(model_dir, batch):
+    """Micro-batches cut by a token budget, and gradient checkpointing, take the same step."""
+    ref = _learner(model_dir, micro_batch_size=12, zero_stage=0, grad_clip=0.0)
+    train(ref, batch)
+    longest = int(batch["attention_mask"].sum(1).max())
+    for kw in ({"max_tokens_per_micro_batch": 2 * longest}, {"gradient_checkpointing": True}):
+        other = _learner(model_dir, micro_batch_size=12, zero_stage=0, grad_clip=0.0, **kw)
+        m = train(other, batch)
+        if "max_tokens_per_micro_batch" in kw:  # at most 2 rows of <= longest tokens each
+            assert m["learner/micro_batches"] >= 6
+        for (n, a), (_, b) in zip(ref.named_weights(), other.named_weights()):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+
+
+def test_mini_batches_and_epochs_make_ppo_steps_where_the_clip_binds(model_dir, batch):
+    """One mini-batch: the old log-probs are the model's own, the ratio is 1 and nothing clips.
+    Two mini-batches x two epochs: four optimiser steps; from the second the policy has moved
+    (lr 0.05), the ratio leaves [0.8, 1.2] and the clip binds."""
+    one = train(_learner(model_dir, lr=0.05, zero_stage=1), batch)
+    assert one["learner/optimizer_steps"] == 1 and one["loss/clipfrac"] == 0.0
+    assert one["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    lrn = _learner(model_dir, lr=0.05, zero_stage=1, mini_batches=2, epochs=2)
+    m = train(lrn, batch)
+    assert m["learner/optimizer_steps"] == 4 and lrn.version == 1
+    assert m["loss/clipfrac"] > 0 and m["loss/ratio_max"] > 1.2
+
+
+def test_weights_load_in_the_training_dtype(model_dir):
+    lrn = _learner(model_dir, zero_stage=0, dtype="bfloat16")
+    assert {p.dtype for p in lrn.engine.module.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in _learner(model_dir, zero_stage=0).engine.module.parameters()} == \
+        {torch.float32}
+
+
+def test_micro_slices_pack_by_rows_and_tokens():
+    from learner.plan import micro_slices, mini_ranges, plan
+
+    assert micro_slices([5, 5, 5, 5, 5], max_rows=2, max_tokens=0) == \
+        [slice(0, 2), slice(2, 4), slice(4, 5)]
+    # tokens: rows x longest <= 12; a 20-token row stands alone
+    assert micro_slices([3, 4, 4, 20, 2, 2], max_rows=8, max_tokens=12, start=10) == \
+        [slice(10, 13), slice(13, 14), slice(14, 16)]
+    assert mini_ranges(torch.tensor([0, 0, 2, 2, 2]), 3) == [(0, 2), (2, 2), (2, 5)]
+    with pytest.raises(ValueError, match="ordered"):
+        mini_ranges(torch.tensor([1, 0]), 2)
+    minis = plan(torch.tensor([4, 4, 4]), torch.tensor([2.0, 3.0, 1.0]), torch.tensor([0, 0, 1]),
+                 2, max_rows=1, max_tokens=0,
+                 reduce=lambda t, op: t * 0 + 3 if op == "max" else t * 2)  # 2 equal ranks
+    assert [len(m.slices) for m in minis] == [3, 3] and minis[0].units == [2.0, 3.0, 0.0]
+    assert [m.total for m in minis] == [10.0, 2.0]
 
 
 def test_nothing_kept_means_no_update(model_dir, batch):
