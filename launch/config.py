@@ -18,6 +18,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from actors.config import RolloutConfig, ScorerConfig
 from buffer.config import BufferConfig
 from cluster.config import ClusterConfig
+from common.dtypes import Dtype
 from common.errors import ConfigError
 from common.validate import check_range
 from correction.config import CorrectionConfig
@@ -88,6 +89,18 @@ class TrainConfig:
                               f"{str(want).lower()} when correction.staleness.enabled="
                               f"{str(want).lower()} (the split needs the rollout's dense "
                               "log-probs; without it they are a wasted forward)")
+        # The scorer's old log-probs anchor the learner's PPO ratio: in another precision the
+        # ratio starts away from 1 (measured: max 1.29 at step 1 for bf16 vs float32).
+        if Dtype(self.scorer.dtype) != Dtype(self.learner.dtype):
+            raise ConfigError("scorer.dtype", Dtype(self.scorer.dtype).value,
+                              f"learner.dtype ({Dtype(self.learner.dtype).value}): the scorer's "
+                              "old log-probs must come from the precision the learner trains in")
+        # mini-batches and learners both take whole GRPO groups (prompts) of a step's batch
+        for key in ("mini_batches", "num_learners"):
+            if getattr(self.learner, key) > self.run.prompts_per_step:
+                raise ConfigError(f"learner.{key}", getattr(self.learner, key),
+                                  f"at most run.prompts_per_step ({self.run.prompts_per_step}): "
+                                  "each takes whole groups of a step's batch")
         # async samples lag the learner by one version: a buffer that drops them would starve
         if self.run.mode == RunMode.async_ and self.buffer.max_staleness < 1:
             raise ConfigError("buffer.max_staleness", self.buffer.max_staleness,

@@ -121,3 +121,29 @@ def test_rollouts_ahead_is_async_only_and_bounded_by_max_staleness():
                 ["run.mode=sync", "buffer.max_staleness=2", "run.rollouts_ahead=2"]):
         with pytest.raises(ConfigError, match="run.rollouts_ahead"):
             load_config(bad)
+
+
+def test_scorer_and_learner_dtypes_must_match():
+    cfg = load_config(["scorer.dtype=bfloat16", "learner.dtype=bfloat16"])
+    assert cfg.learner.dtype.value == cfg.scorer.dtype.value == "bfloat16"
+    with pytest.raises(ConfigError) as e:
+        load_config(["learner.dtype=bfloat16"])
+    assert e.value.key == "scorer.dtype" and "learner.dtype (bfloat16)" in str(e.value)
+    with pytest.raises(ConfigError) as e:  # one vocabulary: torch's names, in every section
+        load_config(["learner.dtype=bf16"])
+    assert e.value.key == "learner.dtype" and "'bfloat16'" in str(e.value)
+
+
+def test_ppo_keys_reach_the_learner_config():
+    cfg = load_config(["learner.mini_batches=4", "learner.epochs=2",
+                       "learner.max_tokens_per_micro_batch=4096", "learner.gradient_checkpointing=true",
+                       "learner.logprob_chunk_tokens=512"])
+    assert (cfg.learner.mini_batches, cfg.learner.epochs, cfg.learner.max_tokens_per_micro_batch,
+            cfg.learner.gradient_checkpointing, cfg.learner.logprob_chunk_tokens) == \
+        (4, 2, 4096, True, 512)
+    with pytest.raises(ConfigError) as e:
+        load_config(["learner.mini_batches=0"])
+    assert e.value.key == "learner.mini_batches"
+    with pytest.raises(ConfigError) as e:  # whole groups per mini-batch
+        load_config(["learner.mini_batches=5", "run.prompts_per_step=4"])
+    assert e.value.key == "learner.mini_batches" and "run.prompts_per_step (4)" in str(e.value)
