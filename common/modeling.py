@@ -85,15 +85,50 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def _chunk_logprobs(head, h: torch.Tensor, targets: torch.Tensor, temperature: float,
-                    with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """log-prob of ``targets`` (and the entropy) for hidden states h [N, H] (see token_logprobs)."""
-    z = head(h).float() / temperature
-    lse = torch.logsumexp(z, dim=-1)
-    lp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
-    if not with_entropy:
-        return lp, lp.new_zeros(0)
-    ent = lse - (torch.softmax(z, dim=-1) * z).sum(-1)   # H = logsumexp(z) - E_p[z]
-    return lp, ent
+    z = head(h).float()
+    if temperature != 1.0:  # in place: the head's output is not saved for its backward
+        z = z.div_(temperature)
+    return _PickedLogprob.apply(z, targets, with_entropy)
+
+
+class _PickedLogprob(torch.autograd.Function):
+    """lp = z_y - logsumexp(z) and H = logsumexp(z) - E_p[z] for logits z [N, V] (fp32).
+
+    Autograd's own graph of these keeps several [N, V] tensors for the backward (exp, softmax,
+    a scatter of the gathered gradient); here the backward builds dz from one softmax, in place:
+    dlp/dz = onehot(y) - p, dH/dz = -p (z - E_p[z]). With ``token_logprobs``' checkpointing z
+    itself is recomputed in the backward, so at most z, p (and one temporary with the entropy)
+    exist for one chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, z, targets, with_entropy):
+        lse = torch.logsumexp(z, dim=-1)
+        lp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+        ez = lp.new_zeros(0)
+        if with_entropy:  # E_p[z] as a batched dot product: no [N, V] product tensor
+            p = torch.exp(z - lse[:, None])
+            ez = torch.bmm(p[:, None, :], z[:, :, None]).view(-1)
+            del p
+        ctx.save_for_backward(z, targets, lse, ez)
+        ctx.with_entropy = with_entropy
+        return lp, (lse - ez if with_entropy else ez)
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        z, targets, lse, ez = ctx.saved_tensors
+        g_lp = torch.zeros_like(lse) if g_lp is None else g_lp
+        dz = (z - lse[:, None]).exp_()                       # p
+        if ctx.with_entropy and g_ent is not None:
+            w = (z - ez[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None])
+            dz.mul_(w).neg_()                                # -p (g_lp + g_H (z - E_p[z]))
+            del w
+        else:
+            dz.mul_(-g_lp[:, None])                          # -p g_lp
+        dz.scatter_add_(1, targets[:, None], g_lp[:, None])  # + onehot(y) g_lp
+        return dz, None, None
 
 
 @torch.no_grad()
