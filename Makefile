@@ -9,7 +9,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 export RAY_AUTH_MODE := disabled
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv vllm train test model bench clean lock
+.PHONY: venv vllm train test test-gpu model bench clean lock
 
 venv: $(STAMP)
 
@@ -37,6 +37,12 @@ train: model
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q tests $(ARGS)
+
+# The CUDA tests (tests/test_gpu.py, `-m gpu`): on a GPU machine whose .venv holds CUDA builds of
+# torch (and vllm for the vLLM test), not the CPU lock; refuses to "pass" by skipping everything.
+test-gpu:
+	$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'test-gpu: this torch sees no CUDA GPU')"
+	$(PY) -m pytest -q -m gpu tests $(ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/rollout.py --quick

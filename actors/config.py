@@ -7,7 +7,7 @@ values, nested sections use ``default_factory``. ``validate(prefix)`` raises
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from common.dtypes import Dtype
 from common.errors import ConfigError
@@ -80,6 +80,60 @@ class KVConfig:
                               f"at most the budget ({self.budget}) tokens")
 
 
+def longest_prompt(cfg) -> int:
+    """The longest prompt a rollout config allows, in tokens; 0 when it sets no limit.
+    ``rollout.max_prompt_tokens`` comes from another branch: until it lands, no limit."""
+    return int(getattr(cfg, "max_prompt_tokens", 0) or 0)
+
+
+@dataclass
+class VLLMConfig:
+    """Settings only the vLLM engine reads (``rollout.vllm``; ``VLLMEngine.from_config``).
+    Non-default values with ``rollout.engine=native`` are refused (they would do nothing)."""
+    # GPU: share of the GPU's memory this engine may take (weights, activations, KV pool). With a
+    # fractional cluster.rollout_gpus it must fit the actor's share. Ignored on CPU.
+    gpu_memory_utilization: float = 0.9
+    # GPUs one engine shards the model over (vLLM tensor parallelism); needs as many GPUs per
+    # rollout actor (cluster.rollout_gpus) and must divide the model's attention heads. 1 on CPU.
+    tensor_parallel_size: int = 1
+    # Longest sequence (prompt + response) vLLM plans for. 0: derived, the longest prompt allowed
+    # plus rollout.max_new_tokens (``actors.vllm.engine.derive_max_model_len``).
+    max_model_len: int = 0
+    # Bytes of the KV block pool. 0: on CPU room for rollout.batch_size sequences of max_model_len
+    # tokens (16 MiB - 1 GiB); on GPU whatever gpu_memory_utilization leaves. > 0: exactly this.
+    kv_cache_bytes: int = 0
+
+    def validate(self, prefix: str = "rollout.vllm") -> None:
+        check_range(f"{prefix}.gpu_memory_utilization", self.gpu_memory_utilization,
+                    lo=0.0, hi=1.0, lo_open=True)
+        check_range(f"{prefix}.tensor_parallel_size", self.tensor_parallel_size, lo=1, hi=64)
+        check_range(f"{prefix}.max_model_len", self.max_model_len, lo=0)
+        check_range(f"{prefix}.kv_cache_bytes", self.kv_cache_bytes, lo=0)
+
+    def check_resources(self, prefix: str, gpus: float) -> None:
+        """Against the GPUs Ray gives each rollout actor (``cluster.rollout_gpus``): vLLM inside
+        the actor sees only those, so tensor parallelism needs that many, and a fractional GPU
+        shared with other actors bounds the memory share."""
+        tp = self.tensor_parallel_size
+        if tp > 1 and gpus < tp:
+            raise ConfigError(f"{prefix}.tensor_parallel_size", tp,
+                              f"<= cluster.rollout_gpus ({gpus}): each rollout actor needs "
+                              "one whole GPU per tensor-parallel rank (1 on CPU)")
+        if 0 < gpus < 1 and self.gpu_memory_utilization > gpus:
+            raise ConfigError(f"{prefix}.gpu_memory_utilization", self.gpu_memory_utilization,
+                              f"<= cluster.rollout_gpus ({gpus}): the actor's share of the GPU")
+
+    def check_unused(self, prefix: str, engine: "EngineKind") -> None:
+        """With another engine every key must keep its default: a set key would be ignored."""
+        if engine == EngineKind.vllm:
+            return
+        for f in fields(self):
+            if getattr(self, f.name) != f.default:
+                raise ConfigError(f"{prefix}.{f.name}", getattr(self, f.name),
+                                  f"the default ({f.default}) with rollout.engine="
+                                  f"{engine.value} (a vLLM-only key)")
+
+
 @dataclass
 class RolloutConfig:
     engine: EngineKind = EngineKind.native
@@ -103,6 +157,7 @@ class RolloutConfig:
     # sample, in forwards of ``dense_micro_batch`` rows; off unless the split needs it.
     dense_logprobs: bool = False
     dense_micro_batch: int = 16
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)   # rollout.engine=vllm only
 
     def __post_init__(self) -> None:
         _coerce(self, "rollout", {"engine": EngineKind, "logprob_mode": LogprobMode, "dtype": Dtype})
@@ -125,7 +180,15 @@ class RolloutConfig:
         _enum(f"{prefix}.dtype", Dtype, self.dtype)
         check_range(f"{prefix}.dense_micro_batch", self.dense_micro_batch, lo=1)
         self.kv.validate(f"{prefix}.kv")
-        if _enum(f"{prefix}.engine", EngineKind, self.engine) == EngineKind.vllm:
+        engine = _enum(f"{prefix}.engine", EngineKind, self.engine)
+        self.vllm.validate(f"{prefix}.vllm")
+        self.vllm.check_unused(f"{prefix}.vllm", engine)
+        if engine == EngineKind.vllm:
+            need = max(longest_prompt(self), 1) + self.max_new_tokens
+            if 0 < self.vllm.max_model_len < need:
+                raise ConfigError(f"{prefix}.vllm.max_model_len", self.vllm.max_model_len,
+                                  f"0 (derived) or >= {need} (longest prompt + "
+                                  f"{prefix}.max_new_tokens)")
             if self.dense_logprobs:  # the vLLM engine exposes no teacher-forced dense forward
                 raise ConfigError(f"{prefix}.dense_logprobs", self.dense_logprobs,
                                   f"false with {prefix}.engine=vllm (dense sampler log-probs "

@@ -89,7 +89,12 @@ def spawn_rollout(cfg, actor_id: int):
 
 
 def spawn_scorer(cfg):
-    """One dense scorer actor with the pool's resources (see ``spawn_rollout``)."""
+    """One dense scorer actor with the pool's resources (see ``spawn_rollout``).
+
+    With ``correction.loss.kl_coef > 0`` it also holds the reference policy: a frozen copy of
+    ``rollout.model_path``, the initial policy, on the scorer's devices. That path is the run's
+    base model even on resume (the checkpoint's weights reach the actors only by broadcast, which
+    never touches the reference), so resumed runs and replacements keep the same reference."""
     import ray
 
     from actors.scorer import ScorerActor
@@ -98,7 +103,14 @@ def spawn_scorer(cfg):
     opts = actor_options(c.scorer_cpus, c.scorer_gpus, c.scorer_resources)
     cls = ray.remote(max_restarts=c.actor_max_restarts, **opts)(
         pinned(ScorerActor, c.scorer_cores))
-    return cls.remote(cfg.scorer, cfg.rollout.model_path, cfg.rollout.temperature)
+    ref = cfg.rollout.model_path if needs_reference(cfg) else None
+    return cls.remote(cfg.scorer, cfg.rollout.model_path, cfg.rollout.temperature,
+                      ref_model_path=ref)
+
+
+def needs_reference(cfg) -> bool:
+    """Does the loss need reference log-probs (a KL penalty to the initial policy)?"""
+    return float(cfg.correction.loss.kl_coef) > 0
 
 
 def _buffer_root(cfg, run_dir: str) -> str | None:

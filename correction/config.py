@@ -170,7 +170,10 @@ class LossConfig:
     clip_eps_low: float = 0.2                 # ratio floor 1 - eps_low
     clip_eps_high: float = 0.2                # ratio ceiling 1 + eps_high (DAPO clip-higher: 0.28)
     dual_clip_c: float | None = None          # dual-clip bound for A < 0 (Ye et al. 2020), > 1
-    kl_coef: float = 0.0                      # weight of KL(pi_theta || pi_ref); needs ref_logp
+    # weight of KL(pi_theta || pi_ref), pi_ref the initial policy. > 0 makes every scorer load a
+    # frozen copy of rollout.model_path and score ref log-probs (cluster/pools.spawn_scorer), so
+    # any kl_coef > 0 runs with a reference; policy_loss raises if one is still missing
+    kl_coef: float = 0.0
     kl_estimator: KLEstimator = KLEstimator.K3
     entropy_coef: float = 0.0                 # bonus: loss -= entropy_coef * entropy
     aggregation: LossAggregation = LossAggregation.TOKEN_MEAN

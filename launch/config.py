@@ -15,7 +15,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from actors.config import RolloutConfig, ScorerConfig
+from actors.config import EngineKind, RolloutConfig, ScorerConfig
 from buffer.config import BufferConfig
 from cluster.config import ClusterConfig
 from common.dtypes import Dtype
@@ -109,6 +109,8 @@ class TrainConfig:
         if ahead > 1 and self.run.mode != RunMode.async_:
             raise ConfigError("run.rollouts_ahead", ahead, "1 with run.mode=sync (rollouts ahead of "
                               "the learner need run.mode=async)")
+        if self.rollout.engine == EngineKind.vllm:  # vLLM sees only the actor's GPUs
+            self.rollout.vllm.check_resources("rollout.vllm", self.cluster.rollout_gpus)
         if self.run.mode == RunMode.async_ and ahead > self.buffer.max_staleness:
             raise ConfigError("run.rollouts_ahead", ahead,
                               f"<= buffer.max_staleness ({self.buffer.max_staleness}): a batch "

@@ -144,8 +144,9 @@ def gather_rollouts(in_flight: list[tuple], pools, cfg, version: int) -> list:
 
 
 def score_pending(pools, cfg, version: int) -> None:
-    """Dense old-policy log-probs for every buffer row waiting for them, split over the scorers.
-    A scorer that died is replaced; the rows it held are released and scored again."""
+    """Dense old-policy log-probs (and reference log-probs when the scorers hold the reference
+    policy, ``cluster.pools.needs_reference``) for every buffer row waiting for them, split over
+    the scorers. A scorer that died is replaced; the rows it held are released and scored again."""
     import ray
     from ray.exceptions import RayActorError
 
@@ -156,8 +157,8 @@ def score_pending(pools, cfg, version: int) -> None:
         calls = [s.score.remote(part) for s, part in
                  zip(pools.scorer, split_rows(pending, len(pools.scorer)))]
         try:
-            for ids, old in ray.get(calls):
-                ray.get(pools.buffer.set_scores.remote(ids, old, version))
+            for ids, old, ref in ray.get(calls):
+                ray.get(pools.buffer.set_scores.remote(ids, old, version, ref_logprobs=ref))
             return
         except RayActorError as err:
             if attempt:

@@ -11,6 +11,19 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.gpu`` tests need CUDA: skipped where torch sees no GPU (``make test-gpu``
+    runs them on a GPU machine)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (make test-gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A 2-layer, 64-wide model trained for 40 SFT steps (seconds): enough for the pipeline."""

@@ -18,6 +18,7 @@ import torch
 from actors.config import RolloutConfig, ScorerConfig
 from actors.native.tiny import build_tiny
 from cluster.config import ClusterConfig
+from correction.config import CorrectionConfig, LossConfig
 from cluster.weight_sync import WeightReceiver, WeightSender, free_port
 from tasks.base import Problem
 from tasks.config import TaskConfig
@@ -78,7 +79,9 @@ def pools_cfg(ray_env):
                               actor_max_restarts=1),
         rollout=RolloutConfig(model_path=model, samples_per_prompt=2, max_new_tokens=6,
                               batch_size=8),
-        scorer=ScorerConfig(micro_batch=4), task=TaskConfig(n_train=8, n_heldout=2))
+        scorer=ScorerConfig(micro_batch=4), task=TaskConfig(n_train=8, n_heldout=2),
+        # a KL penalty: every scorer, replacements included, holds the initial model as reference
+        correction=CorrectionConfig(loss=LossConfig(kl_coef=0.1)))
     pools = Pools(learners=[ray.remote(num_cpus=0.25)(WeightSource).remote(model)])
     pools.rollout_ids = [0]
     pools.rollout = [spawn_rollout(cfg, 0)]
@@ -219,6 +222,19 @@ def test_driver_regenerates_a_dead_actors_share_and_scores_after_a_scorer_dies(r
     stats = ray.get(pools.buffer.stats.remote())
     assert stats["scored_rows_live"] == 4 and stats["generated_rows"] == 0
     assert_in_sync(ray, pools, v)
+    # the replacement's reference is the initial model, not the learner's current weights, and
+    # the rescored rows carry its log-probs next to the old ones
+    from common.modeling import checksum, load_model
+
+    ref_sum = ray.get(pools.scorer[0].__ray_call__.remote(
+        lambda self: checksum(self.ref.named_parameters())))
+    assert ref_sum == checksum(load_model(cfg.rollout.model_path).named_parameters())
+    assert ref_sum != ray.get(pools.learners[0].state_checksum.remote())
+    scored = ray.get(pools.buffer.sample_batch.remote(2, v)).to_pylist()
+    assert len(scored) == 4
+    assert all(len(r["ref_logprobs"]) == len(r["old_logprobs"]) == r["response_len"]
+               for r in scored)
+    assert any(a != b for r in scored for a, b in zip(r["ref_logprobs"], r["old_logprobs"]))
 
 
 def _await_restart(ray, actor, timeout_s: float = 60.0) -> None:

@@ -150,7 +150,7 @@ def test_rollout_dense_logprobs_equal_the_scorer_at_the_same_weights(tiny_dir, t
     assert all(len(r[COL]) == r["response_len"] for r in rows)
     scorer = ScorerActor(ScorerConfig(micro_batch=4), tiny_dir, temperature)
     scorer.load_weights(list(other.named_parameters()), 2)
-    ids, old = scorer.score(rows_to_batch(rows))
+    ids, old, _ = scorer.score(rows_to_batch(rows))
     assert ids == [r["sample_id"] for r in rows]
     for r, lp in zip(rows, old):
         np.testing.assert_allclose(r[COL], lp, rtol=0, atol=1e-5)

@@ -37,10 +37,12 @@ def recompute_logprobs(model, prompt: list[int], response: list[int], trace,
     """Log-probs of ``response`` given ``prompt`` attending only to the kept sets in ``trace``
     (``sparse=False`` ignores the trace: the dense teacher-forced log-probs)."""
     dec = Decoder(model)
-    ids = torch.tensor([prompt + response])
+    device = next(model.parameters()).device   # the model's device (tests/test_gpu.py: CUDA)
+    ids = torch.tensor([prompt + response], device=device)
     total = ids.shape[1]
-    masks = visibility(trace if sparse else [], dec.n_layers, dec.n_kv, total)
-    positions = torch.arange(total)[None]
+    masks = [m.to(device) for m in visibility(trace if sparse else [], dec.n_layers, dec.n_kv,
+                                              total)]
+    positions = torch.arange(total, device=device)[None]
     logits = dec.forward_full(ids, positions, lambda i: masks[i][None, :, None])[0]
     logits = logits[len(prompt) - 1:total - 1]
     if temperature == 0:
@@ -49,4 +51,4 @@ def recompute_logprobs(model, prompt: list[int], response: list[int], trace,
         logp = torch.log_softmax(truncate(logits / temperature, top_k, top_p), -1)
     else:
         logp = torch.log_softmax(logits / temperature, -1)
-    return logp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+    return logp.gather(-1, torch.tensor(response, device=device)[:, None]).squeeze(-1).cpu()

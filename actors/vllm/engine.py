@@ -20,9 +20,14 @@ sliding-window KV cache (``rollout.kv.policy=streaming``).
   it is block-granular (``block_size`` tokens). ``kept_ratio`` is computed as the native engine
   counts it (``actors.vllm.kv.kept_ratio``).
 * Weights: ``load_weights`` validates HF-named tensors, then reloads them in memory through the model
-  runner's ``reload_weights(weights_iterator=...)`` and resets the prefix cache. On GPU, with
-  ``weight_transfer="nccl"``, ``init_weight_transfer`` / ``receive_weights_nccl`` use vLLM's NCCL
-  weight-transfer engine instead (not testable on CPU).
+  runner's ``reload_weights(weights_iterator=...)`` and resets the prefix cache. Tensors keep the
+  device they arrive on (CUDA with ``cluster.weight_sync_backend=nccl``): no device -> host -> device
+  round trip. On GPU, with ``weight_transfer="nccl"``, ``init_weight_transfer`` /
+  ``receive_weights_nccl`` use vLLM's NCCL weight-transfer engine instead.
+* Resources (``rollout.vllm``, ``VLLMConfig``): on GPU ``gpu_memory_utilization`` and
+  ``tensor_parallel_size`` go to vLLM (and ``kv_cache_bytes`` only when set); on CPU the KV pool is
+  ``kv_cache_bytes`` (default: ``_pool_bytes``) and tensor parallelism is refused. ``max_model_len``
+  is derived from the prompt limit and ``max_new_tokens`` (``derive_max_model_len``).
 """
 from __future__ import annotations
 
@@ -32,11 +37,12 @@ from pathlib import Path
 
 import torch
 
-from actors.config import KVConfig
+from actors.config import KVConfig, longest_prompt
 from actors.engine import GenerationOutput, SamplingParams
 from actors.vllm import kv as kvmod
 from actors.vllm.env import setup_env
 from actors.vllm.weights import Ledger, hf_skeleton, nccl_update_info, spec_of, validate
+from common.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,7 +52,8 @@ class VLLMEngine:
                  dtype: str = "float32", kv_cache_bytes: int | None = None,
                  max_model_len: int | None = None, seed: int = 0, threads: int | None = 1,
                  enforce_eager: bool | None = None, weight_transfer: str | None = None,
-                 block_size: int | None = None):
+                 block_size: int | None = None, gpu_memory_utilization: float = 0.9,
+                 tensor_parallel_size: int = 1):
         setup_env()
         self.model_path = str(model_path)
         self.kv = kv or KVConfig()
@@ -68,17 +75,28 @@ class VLLMEngine:
         self._transfer = weight_transfer
         if threads:
             torch.set_num_threads(int(threads))   # before vLLM freezes the thread count
+        self.gpu_memory_utilization = float(gpu_memory_utilization)
+        self.tensor_parallel_size = int(tensor_parallel_size)
         self.llm = self._start(kv_cache_bytes, max_model_len, seed, enforce_eager, block_size)
         self.meter = kvmod.KVMeter(self.llm)
 
     @classmethod
     def from_config(cls, cfg, model_path: str | None = None, **overrides) -> "VLLMEngine":
-        """From a ``RolloutConfig`` (``batch_size``, ``dtype``, ``seed``, ``kv``); vLLM-only knobs
-        (``kv_cache_bytes``, ``max_model_len``, ...) as keyword overrides."""
+        """From a ``RolloutConfig``: ``batch_size``, ``dtype``, ``seed``, ``kv`` and the vLLM-only
+        ``rollout.vllm`` section (``max_model_len`` derived when 0); keyword overrides win."""
+        path = model_path or cfg.model_path
+        v = cfg.vllm
         kw = dict(kv=cfg.kv, batch_size=cfg.batch_size, dtype=getattr(cfg.dtype, "value", cfg.dtype),
-                  seed=cfg.seed)
+                  seed=cfg.seed, kv_cache_bytes=v.kv_cache_bytes or None,
+                  gpu_memory_utilization=v.gpu_memory_utilization,
+                  tensor_parallel_size=v.tensor_parallel_size)
+        if "max_model_len" not in overrides:
+            from transformers import AutoConfig
+
+            model_cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+            kw["max_model_len"] = derive_max_model_len(cfg, model_cfg)
         kw.update(overrides)
-        return cls(model_path or cfg.model_path, **kw)
+        return cls(path, **kw)
 
     def kv_bytes_per_token(self) -> int:
         """K and V bytes of one token over all layers (from the HF config)."""
@@ -100,21 +118,25 @@ class VLLMEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        if not max_model_len:
-            max_model_len = min(int(getattr(self.model.config, "max_position_embeddings", 4096)),
-                                4096)
-        if not kv_cache_bytes:
-            kv_cache_bytes = self._pool_bytes(int(max_model_len), block_size)
-
+        cpu = current_platform.is_cpu()
+        max_model_len = self._check_max_model_len(max_model_len)
+        self._check_tensor_parallel(cpu)
         kwargs = dict(
             model=self.model_path, tokenizer=self.model_path, skip_tokenizer_init=False,
             dtype={torch.float32: "float32", torch.bfloat16: "bfloat16",
                    torch.float16: "float16"}[self.dtype],
-            seed=int(seed), max_num_seqs=self.batch_size, kv_cache_memory_bytes=int(kv_cache_bytes),
+            seed=int(seed), max_num_seqs=self.batch_size,
             logprobs_mode="processed_logprobs", generation_config="vllm",
-            enforce_eager=current_platform.is_cpu() if enforce_eager is None else enforce_eager,
+            enforce_eager=cpu if enforce_eager is None else enforce_eager,
             hf_overrides=kvmod.hf_overrides(self.kv, self.model.config.num_hidden_layers),
-            max_model_len=int(max_model_len))
+            max_model_len=max_model_len, tensor_parallel_size=self.tensor_parallel_size)
+        if cpu:  # no device memory to take a share of: an explicit pool
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes or
+                                                  self._pool_bytes(max_model_len, block_size))
+        else:    # vLLM sizes the pool from what the share leaves, unless given exactly
+            kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
+            if kv_cache_bytes:
+                kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
         if block_size:
             kwargs["block_size"] = int(block_size)
         if self._transfer:
@@ -122,6 +144,29 @@ class VLLMEngine:
 
             kwargs["weight_transfer_config"] = WeightTransferConfig(backend=self._transfer)
         return LLM(**kwargs)
+
+    def _check_max_model_len(self, max_model_len: int | None) -> int:
+        """``max_model_len`` (None: the model's limit) if the model's positions allow it."""
+        limit = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+        n = int(max_model_len or limit)
+        if n <= 0:
+            raise ConfigError("rollout.vllm.max_model_len", max_model_len,
+                              "> 0 (the model config has no max_position_embeddings to derive "
+                              "it from)")
+        if limit and n > limit:
+            raise ConfigError("rollout.vllm.max_model_len", n,
+                              f"<= the model's max_position_embeddings ({limit}); when derived, "
+                              "lower the longest prompt or rollout.max_new_tokens")
+        return n
+
+    def _check_tensor_parallel(self, cpu: bool) -> None:
+        tp, heads = self.tensor_parallel_size, int(self.model.config.num_attention_heads)
+        if tp > 1 and cpu:
+            raise ConfigError("rollout.vllm.tensor_parallel_size", tp,
+                              "1 on CPU (tensor parallelism is for GPUs)")
+        if heads % tp:
+            raise ConfigError("rollout.vllm.tensor_parallel_size", tp,
+                              f"a divisor of the model's {heads} attention heads")
 
     # ---- generation ------------------------------------------------------------------------------
     def _sampling(self, params: SamplingParams, index: int):
@@ -190,11 +235,17 @@ class VLLMEngine:
     # ---- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Validate, then reload in memory (``reload_weights``), then reset the prefix cache."""
+        """Validate, then reload in memory (``reload_weights``), then reset the prefix cache.
+
+        Tensors stay on the device they come on: with an NCCL weight-sync group they are CUDA
+        tensors and reach vLLM's GPU parameters without a trip through host memory. (With
+        ``tensor_parallel_size > 1`` vLLM's workers are other processes and ``collective_rpc``
+        pickles the tensors; vLLM's NCCL weight transfer avoids that: ``init_weight_transfer``.)
+        """
         if self._broken:
             raise RuntimeError(self._broken)
         items = validate(named_tensors, self._spec)
-        items = [(n, t.detach().to("cpu", self.dtype).contiguous()) for n, t in items]
+        items = [(n, t.detach().to(dtype=self.dtype).contiguous()) for n, t in items]
         try:
             self.llm.collective_rpc("reload_weights",
                                     kwargs={"weights_iterator": iter(items),
@@ -242,3 +293,15 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self._ledger = None
         self.version = int(version)
+
+
+def derive_max_model_len(cfg, model_config) -> int:
+    """``rollout.vllm.max_model_len``, or when 0 the longest prompt allowed plus
+    ``rollout.max_new_tokens``; without a prompt limit (``actors.config.longest_prompt``) the
+    model's ``max_position_embeddings``, the longest any prompt + response can be."""
+    if cfg.vllm.max_model_len:
+        return int(cfg.vllm.max_model_len)
+    prompt = longest_prompt(cfg)
+    if prompt:
+        return prompt + int(cfg.max_new_tokens)
+    return int(getattr(model_config, "max_position_embeddings", 0) or 0)

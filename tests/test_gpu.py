@@ -1,0 +1,190 @@
+"""Tests that need CUDA (``pytest -m gpu``, ``make test-gpu``); skipped without a GPU (conftest.py).
+
+* native engine on CUDA: dense bf16 log-probs vs the HF forward; sparse generation in fp32 exact
+  vs teacher forcing under the recorded kept sets (as tests/test_kv_engine.py on CPU), and in bf16
+  within bf16 noise;
+* dense scorer on CUDA in bf16: the frozen reference and the batch-composition tolerance;
+* vLLM (CUDA build) in bf16: generate, reload weights from CUDA tensors (no trip through host
+  memory), reload the originals and get the same outputs back;
+* NCCL weight broadcast (cluster.weight_sync) between two processes, one GPU each (needs 2 GPUs).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+
+import pytest
+import torch
+
+from actors.config import KVConfig
+from actors.engine import SamplingParams
+from actors.native.tiny import build_tiny
+from common.modeling import checksum, load_model
+
+pytestmark = pytest.mark.gpu
+POLICIES = ["streaming", "h2o", "snapkv", "rkv"]
+PROMPTS = [list(range(5, 27)), [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
+BF16_TOL = 5e-2   # bf16 decode vs bf16 full forward: different kernels, 8-bit mantissa
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny(tmp_path_factory.mktemp("gpu_tiny"), "qwen2", seed=3)
+
+
+def _cuda(path, dtype):
+    return load_model(path, dtype=dtype).to("cuda")
+
+
+# ---- native engine ------------------------------------------------------------------------------
+
+def test_native_dense_bf16_logprobs_match_hf_forward(tiny):
+    from actors.native import NativeEngine
+
+    model = _cuda(tiny, torch.bfloat16)
+    outs = NativeEngine(model).generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0))
+    for p, o in zip(PROMPTS, outs):
+        ids = torch.tensor([p + o.response_ids], device="cuda")
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(p) - 1:-1].float()
+        ref = torch.log_softmax(logits, -1).gather(-1, ids[0, len(p):, None]).squeeze(-1).cpu()
+        assert len(o.logprobs) == 16 and o.kept_ratio == 1.0
+        assert (ref - torch.tensor(o.logprobs)).abs().max() < BF16_TOL
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, BF16_TOL)])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_native_sparse_logprobs_are_the_sparse_policys_on_cuda(tiny, policy, dtype, tol):
+    from actors.native import NativeEngine
+    from actors.native.reference import recompute_logprobs
+
+    model = _cuda(tiny, dtype)
+    kv = KVConfig(policy=policy, budget=12, compress_every=5, sink_tokens=2, obs_window=4,
+                  pool_kernel=3)
+    eng = NativeEngine(model, kv, trace=True)
+    # fp32: top-k/top-p as on CPU; bf16: no truncation (a bf16 rounding may move a token across
+    # the top-p boundary between decode and recompute, which is not the sparse policy's fault)
+    k, p = (30, 0.95) if dtype == torch.float32 else (0, 1.0)
+    outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=30, temperature=0.9, top_k=k,
+                                                top_p=p, seed=1))
+    for prompt, o in zip(PROMPTS, outs):
+        assert o.trace and o.kept_ratio < 1.0   # every sequence outgrew the budget
+        rec = torch.tensor(o.logprobs)
+        assert torch.isfinite(rec).all()
+        sparse = recompute_logprobs(model, prompt, o.response_ids, o.trace, 0.9, k, p)
+        assert (sparse.float() - rec).abs().max() < tol
+
+
+# ---- dense scorer ----------------------------------------------------------------------------
+
+def test_scorer_bf16_on_cuda_reference_and_batch_tolerance(tmp_path):
+    from actors.config import ScorerConfig
+    from actors.scorer import BF16_BATCH_TOL, ScorerActor, dense_logprobs
+    from learner.testing import make_tiny_model
+
+    base = make_tiny_model(tmp_path / "base", seed=3, hidden=256, layers=4)
+    other = load_model(make_tiny_model(tmp_path / "other", seed=4, hidden=256, layers=4))
+    scorer = ScorerActor(ScorerConfig(micro_batch=4, dtype="bfloat16"), base, 1.0,
+                         ref_model_path=base)
+    assert scorer.device.type == "cuda" and scorer.ref.dtype == torch.bfloat16
+    scorer.load_weights(other.named_parameters(), 1)
+    assert checksum(scorer.ref.named_parameters()) == checksum(
+        load_model(base, dtype=torch.bfloat16).named_parameters())
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 128, (int(n),), generator=g).tolist()
+               for n in torch.randint(2, 20, (16,), generator=g)]
+    responses = [torch.randint(3, 128, (int(n),), generator=g).tolist()
+                 for n in torch.randint(1, 61, (16,), generator=g)]
+    alone = [dense_logprobs(scorer.ref, [p], [r], 1.0, 0, 1)[0] for p, r in zip(prompts, responses)]
+    for micro_batch in (2, 5, 16):
+        got = dense_logprobs(scorer.ref, prompts, responses, 1.0, 0, micro_batch)
+        assert max(abs(a - b) for x, y in zip(alone, got) for a, b in zip(x, y)) <= BF16_BATCH_TOL
+
+
+# ---- vLLM ----------------------------------------------------------------------------------
+
+def test_vllm_bf16_generate_and_reload_from_cuda_tensors(tmp_path):
+    pytest.importorskip("vllm")
+    from actors.vllm import VLLMEngine
+    from actors.vllm.testing import build_model
+
+    path = build_model(tmp_path / "m", seed=0)
+    other = load_model(build_model(tmp_path / "o", seed=1), dtype=torch.bfloat16).to("cuda")
+    orig = load_model(path, dtype=torch.bfloat16).to("cuda")
+    eng = VLLMEngine(path, KVConfig(policy="dense"), batch_size=8, dtype="bfloat16",
+                     max_model_len=256, gpu_memory_utilization=0.3)
+    prompts = [[1, 40, 41, 42], [1, 60, 61], [1, 70, 71, 72, 73]]
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
+    first = eng.generate(prompts, greedy)
+    assert all(len(o.response_ids) == 24 for o in first)
+
+    devices = []
+    rpc = eng.llm.collective_rpc
+
+    def spy(method, *args, **kwargs):   # what reload_weights gets: tensors still on the GPU
+        if method == "reload_weights":
+            items = list(kwargs["kwargs"]["weights_iterator"])
+            devices.extend(t.device.type for _, t in items)
+            kwargs["kwargs"]["weights_iterator"] = iter(items)
+        return rpc(method, *args, **kwargs)
+
+    eng.llm.collective_rpc = spy
+    eng.load_weights([(n, p.detach()) for n, p in other.named_parameters()], 1)
+    assert devices and set(devices) == {"cuda"}
+    changed = eng.generate(prompts, greedy)
+    assert [o.response_ids for o in changed] != [o.response_ids for o in first]
+    eng.load_weights([(n, p.detach()) for n, p in orig.named_parameters()], 2)
+    again = eng.generate(prompts, greedy)
+    assert [o.response_ids for o in again] == [o.response_ids for o in first]
+    for a, b in zip(again, first):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+    assert eng.state_checksum() == pytest.approx(checksum(orig.named_parameters()), rel=1e-6)
+
+
+# ---- NCCL weight broadcast -------------------------------------------------------------------
+
+def _nccl_worker(rank: int, port: int, path: str, q) -> None:
+    from cluster.weight_sync import WeightReceiver, WeightSender, weight_spec
+
+    try:
+        torch.cuda.set_device(rank)
+        model = load_model(path).to("cuda")
+        if rank == 0:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(1.5)
+            s = WeightSender("127.0.0.1", port, 2, weight_spec(model), backend="nccl",
+                             timeout_s=60)
+            s.send(model.named_parameters(), 7)
+            q.put((rank, "ok", checksum(model.named_parameters()), None))
+            return
+        r = WeightReceiver("127.0.0.1", port, 1, 2, weight_spec(model), timeout_s=60)
+        params = dict(model.named_parameters())
+        version, named = r.receive(into=params)
+        on_gpu = all(t.device.type == "cuda" for _, t in named)
+        q.put((rank, "ok", checksum(model.named_parameters()), (version, on_gpu)))
+    except Exception as e:  # reported to the parent instead of a silent hang
+        q.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", None))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="NCCL needs one GPU per rank: 2 GPUs")
+def test_nccl_weight_broadcast_between_two_gpus(tiny):
+    from cluster.weight_sync import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_nccl_worker, args=(r, port, str(tiny), q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    for _ in procs:
+        rank, status, value, extra = q.get(timeout=180)
+        assert status == "ok", value
+        got[rank] = (value, extra)
+    for p in procs:
+        p.join(timeout=60)
+    assert got[1][1] == (7, True)                       # the version, received on the GPU
+    assert got[1][0] == pytest.approx(got[0][0], rel=1e-12)
+    assert got[0][0] != pytest.approx(checksum(load_model(tiny).named_parameters()), rel=1e-6)
