@@ -26,25 +26,19 @@ starts within about exp(+-1.5e-2) of 1.
 """
 from __future__ import annotations
 
-import enum
-
 import pyarrow as pa
 import torch
 
+from common.dtypes import torch_dtype
 from common.modeling import checksum, load_model, token_logprobs
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Largest change of a token's log-prob with the batch it is scored in (module docstring)
 BF16_BATCH_TOL = 1.5e-2
 FP32_BATCH_TOL = 1e-5
 
 
 def _dtype(cfg) -> torch.dtype:
-    value = getattr(cfg, "dtype", "float32")
-    value = value.value if isinstance(value, enum.Enum) else str(value)
-    if value not in _DTYPES:
-        raise ValueError(f"scorer.dtype must be one of {sorted(_DTYPES)}, got {value!r}")
-    return _DTYPES[value]
+    return torch_dtype(getattr(cfg, "dtype", "float32"))
 
 
 def _rows(batch: pa.RecordBatch | pa.Table) -> tuple[list[str], list[list[int]], list[list[int]]]:
@@ -94,10 +88,13 @@ def _score_rows(model, prompts: list[list[int]], responses: list[list[int]], tem
     t = max(lens)
     input_ids = torch.full((len(lens), t), pad_id, dtype=torch.long)
     attn = torch.zeros((len(lens), t), dtype=torch.long)
+    resp = torch.zeros((len(lens), t), dtype=torch.long)
     for b, (p, r) in enumerate(zip(prompts, responses)):
         input_ids[b, :lens[b]] = torch.tensor(p + r, dtype=torch.long)
         attn[b, :lens[b]] = 1
-    logp = token_logprobs(model, input_ids.to(device), attn.to(device), temperature).float().cpu()
+        resp[b, len(p):lens[b]] = 1
+    logp = token_logprobs(model, input_ids.to(device), attn.to(device), temperature,
+                          response_mask=resp.to(device)).float().cpu()  # response tokens only
     return [logp[b, len(p):lens[b]].tolist() for b, p in enumerate(prompts)]
 
 

@@ -66,8 +66,9 @@ class NativeEngine:
         """Load the model (on the GPU when the process has one, else the CPU) for ``cfg``."""
         from common.modeling import load_model
 
-        dtype = getattr(torch, getattr(cfg.dtype, "value", cfg.dtype))
-        model = load_model(model_path, dtype=dtype)
+        from common.dtypes import torch_dtype
+
+        model = load_model(model_path, dtype=torch_dtype(cfg.dtype))
         if torch.cuda.is_available():
             model = model.to("cuda")
         return cls(model, cfg.kv, cfg.batch_size, decode=tokenizer_decoder(model_path))
