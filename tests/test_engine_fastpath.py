@@ -8,8 +8,8 @@ import torch
 from actors.engine import SamplingParams
 from actors.native import NativeEngine
 from actors.native.model import Decoder, RopeTable, rotate, rotate_rows
-from actors.native.tiny import build_tiny
 from common.modeling import load_model
+from common.testmodels import build_model
 
 torch.set_num_threads(1)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23]]
@@ -19,7 +19,7 @@ GREEDY = SamplingParams(max_new_tokens=10, temperature=0)
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("fast")
-    return [build_tiny(root / str(s), "qwen2", seed=s) for s in (1, 2)]
+    return [build_model(root / str(s), "tiny", seed=s) for s in (1, 2)]
 
 
 def test_in_place_weight_updates_reach_the_transposed_copies(models):

@@ -11,14 +11,14 @@ import torch
 from actors.scorer import ScorerActor
 from cluster.weight_sync import WeightSender, free_port, weight_spec
 from common.modeling import checksum, load_model
-from learner.testing import make_tiny_model
+from common.testmodels import build_model
 
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_scorer") / "model")
+    return build_model(tmp_path_factory.mktemp("tiny_scorer") / "model")
 
 
 def _cfg(micro_batch=2):
@@ -72,7 +72,7 @@ def test_empty_prompt_is_a_clear_error(model_dir):
 
 def test_sync_weights_from_a_sender(model_dir, tmp_path):
     scorer = ScorerActor(_cfg(), model_dir, 1.0)
-    other = load_model(make_tiny_model(tmp_path / "other", seed=7))
+    other = load_model(build_model(tmp_path / "other", seed=7))
     port = free_port()
     errors = []
 
