@@ -34,6 +34,12 @@ class LogprobMode(str, enum.Enum):
 _enum = check_enum  # shared: coerce a string to the Enum or name the key
 
 
+class OverlongPrompt(str, enum.Enum):
+    drop = "drop"                     # left out of the task's problems at start-up (counted)
+    truncate_left = "truncate_left"   # keep the last rollout.max_prompt_tokens tokens (counted)
+    error = "error"                   # refuse the run, naming how many prompts are too long
+
+
 class Dtype(str, enum.Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -107,9 +113,18 @@ class RolloutConfig:
     # sample, in forwards of ``dense_micro_batch`` rows; off unless the split needs it.
     dense_logprobs: bool = False
     dense_micro_batch: int = 16
+    # Prompt encoding (common/tokens.py): "none" (the task's text as is), "tokenizer" (the
+    # tokenizer's own chat template) or a path to a .jinja template; one user turn + the
+    # generation prompt, through tokenizer.apply_chat_template.
+    chat_template: str = "none"
+    # Longest prompt in tokens; 0: the model's max_position_embeddings - max_new_tokens. Prompt +
+    # max_new_tokens beyond max_position_embeddings is refused at start-up.
+    max_prompt_tokens: int = 0
+    overlong_prompt: OverlongPrompt = OverlongPrompt.drop
 
     def __post_init__(self) -> None:
-        _coerce(self, "rollout", {"engine": EngineKind, "logprob_mode": LogprobMode, "dtype": Dtype})
+        _coerce(self, "rollout", {"engine": EngineKind, "logprob_mode": LogprobMode, "dtype": Dtype,
+                                  "overlong_prompt": OverlongPrompt})
 
     def validate(self, prefix: str = "rollout") -> None:
         _enum(f"{prefix}.engine", EngineKind, self.engine)
@@ -128,6 +143,11 @@ class RolloutConfig:
         check_range(f"{prefix}.batch_size", self.batch_size, lo=1)
         _enum(f"{prefix}.dtype", Dtype, self.dtype)
         check_range(f"{prefix}.dense_micro_batch", self.dense_micro_batch, lo=1)
+        if not isinstance(self.chat_template, str) or not self.chat_template:
+            raise ConfigError(f"{prefix}.chat_template", self.chat_template,
+                              "'none', 'tokenizer' or a path to a .jinja file")
+        check_range(f"{prefix}.max_prompt_tokens", self.max_prompt_tokens, lo=0)
+        _enum(f"{prefix}.overlong_prompt", OverlongPrompt, self.overlong_prompt)
         self.kv.validate(f"{prefix}.kv")
         if _enum(f"{prefix}.engine", EngineKind, self.engine) == EngineKind.vllm:
             if self.dense_logprobs:  # the vLLM engine exposes no teacher-forced dense forward
