@@ -15,7 +15,9 @@ The one test-model builder of the project. Every family is built from transforme
 ``build_model(out_dir, family, seed, tokenizer=True, **overrides)`` saves the weights, the project's
 character tokenizer (``tasks/tokenizer.py``; the llama3 family's has no pad token, an extra ``<eot>``
 special and a Llama-3-style chat template) and HF's ``generation_config.json``. Overrides use the HF
-config's own key names (``hidden_size``, ``num_key_value_heads``, ...). ``VLLM_CPU`` holds the
+config's own key names (``hidden_size``, ``num_key_value_heads``, ...); a ``vocab_size`` below the
+tokenizer's 260 ids keeps generation among the first ones (131: bytes 0-126, one ASCII character per
+token), for prompts of those ids only. ``VLLM_CPU`` holds the
 overrides vLLM's CPU attention needs (head_dim = hidden / heads >= 32) plus a larger init std, so
 greedy continuations vary instead of repeating one token.
 """
@@ -95,10 +97,7 @@ def build_model(out_dir: str | Path, family: str = "tiny", seed: int = 0, tokeni
     cfg = model_config(family, **overrides)
     out = Path(out_dir)
     if tokenizer:
-        tok = tokenizer_for(family)
-        if cfg.vocab_size < len(tok):
-            raise ValueError(f"vocab_size {cfg.vocab_size} < the tokenizer's {len(tok)} tokens")
-        tok.save_pretrained(str(out))
+        tokenizer_for(family).save_pretrained(str(out))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(str(out))   # also writes generation_config.json (eos ids from cfg)

@@ -29,7 +29,8 @@ def test_in_place_weight_updates_reach_the_transposed_copies(models):
     eng.load_weights(list(other.named_parameters()), version=1)       # param.copy_: in place
     got = eng.generate(PROMPTS, GREEDY)
     want = NativeEngine(load_model(models[1])).generate(PROMPTS, GREEDY)
-    assert [o.response_ids for o in got] != [o.response_ids for o in before]
+    # log-probs, not ids: with tied embeddings both random models greedily repeat the last token
+    assert all(g.logprobs != pytest.approx(b.logprobs, abs=1e-3) for g, b in zip(got, before))
     for g, w in zip(got, want):
         assert g.response_ids == w.response_ids
         assert g.logprobs == pytest.approx(w.logprobs, abs=1e-6)
