@@ -7,7 +7,8 @@
 - Prompts: ``rollout.chat_template`` = "none" (the task's text as is), "tokenizer" (the tokenizer's
   own template) or a path to a ``.jinja`` file, applied to one user turn with the generation prompt.
 - Lengths: prompt + ``rollout.max_new_tokens`` must fit ``max_position_embeddings``; a prompt longer
-  than ``rollout.max_prompt_tokens`` is dropped, left-truncated or refused (``rollout.overlong_prompt``).
+  than ``rollout.max_prompt_tokens`` is dropped, left-truncated or refused
+  (``rollout.overlong_prompt``).
 """
 from __future__ import annotations
 
@@ -146,13 +147,13 @@ class PromptEncoder:
     def fit(self, problems: list, split: str = "train") -> tuple[list, int]:
         """(problems to use, how many were over-long): drop leaves them out, truncate_left keeps
         them (``encode`` truncates), error raises a ConfigError naming the key and the count."""
-        long = [p for p in problems if len(self.ids(p.prompt)) > self.max_tokens]
+        over = [len(self.ids(p.prompt)) > self.max_tokens for p in problems]
+        long = [p for p, o in zip(problems, over) if o]
         if long and self.overlong == "error":
             raise ConfigError("rollout.overlong_prompt", "error",
                               f"'drop' or 'truncate_left': {len(long)} of {len(problems)} {split} "
                               f"prompts (first: problem {long[0].idx}) are longer than "
                               f"{self.max_tokens} tokens (rollout.max_prompt_tokens)")
-        if self.overlong == "drop" and long:
-            skip = {id(p) for p in long}
-            problems = [p for p in problems if id(p) not in skip]
+        if self.overlong == "drop":
+            problems = [p for p, o in zip(problems, over) if not o]
         return problems, len(long)
