@@ -35,6 +35,12 @@ class LogprobMode(str, enum.Enum):
 _enum = check_enum  # shared: coerce a string to the Enum or name the key
 
 
+class OverlongPrompt(str, enum.Enum):
+    drop = "drop"                     # left out of the task's problems at start-up (counted)
+    truncate_left = "truncate_left"   # keep the last rollout.max_prompt_tokens tokens (counted)
+    error = "error"                   # refuse the run, naming how many prompts are too long
+
+
 def _coerce(obj, prefix: str, fields: dict) -> None:
     """Plain-Python callers may pass enum values as strings (as YAML does): convert them."""
     for key, cls in fields.items():
@@ -81,9 +87,9 @@ class KVConfig:
 
 
 def longest_prompt(cfg) -> int:
-    """The longest prompt a rollout config allows, in tokens; 0 when it sets no limit.
-    ``rollout.max_prompt_tokens`` comes from another branch: until it lands, no limit."""
-    return int(getattr(cfg, "max_prompt_tokens", 0) or 0)
+    """``rollout.max_prompt_tokens``: the longest prompt allowed, in tokens; 0 when it is left to
+    the model (``max_position_embeddings - max_new_tokens``, ``common.tokens.prompt_budget``)."""
+    return int(cfg.max_prompt_tokens)
 
 
 @dataclass
@@ -158,9 +164,18 @@ class RolloutConfig:
     dense_logprobs: bool = False
     dense_micro_batch: int = 16
     vllm: VLLMConfig = field(default_factory=VLLMConfig)   # rollout.engine=vllm only
+    # Prompt encoding (common/tokens.py): "none" (the task's text as is), "tokenizer" (the
+    # tokenizer's own chat template) or a path to a .jinja template; one user turn + the
+    # generation prompt, through tokenizer.apply_chat_template.
+    chat_template: str = "none"
+    # Longest prompt in tokens; 0: the model's max_position_embeddings - max_new_tokens. Prompt +
+    # max_new_tokens beyond max_position_embeddings is refused at start-up.
+    max_prompt_tokens: int = 0
+    overlong_prompt: OverlongPrompt = OverlongPrompt.drop
 
     def __post_init__(self) -> None:
-        _coerce(self, "rollout", {"engine": EngineKind, "logprob_mode": LogprobMode, "dtype": Dtype})
+        _coerce(self, "rollout", {"engine": EngineKind, "logprob_mode": LogprobMode, "dtype": Dtype,
+                                  "overlong_prompt": OverlongPrompt})
 
     def validate(self, prefix: str = "rollout") -> None:
         _enum(f"{prefix}.engine", EngineKind, self.engine)
@@ -179,6 +194,11 @@ class RolloutConfig:
         check_range(f"{prefix}.batch_size", self.batch_size, lo=1)
         _enum(f"{prefix}.dtype", Dtype, self.dtype)
         check_range(f"{prefix}.dense_micro_batch", self.dense_micro_batch, lo=1)
+        if not isinstance(self.chat_template, str) or not self.chat_template:
+            raise ConfigError(f"{prefix}.chat_template", self.chat_template,
+                              "'none', 'tokenizer' or a path to a .jinja file")
+        check_range(f"{prefix}.max_prompt_tokens", self.max_prompt_tokens, lo=0)
+        _enum(f"{prefix}.overlong_prompt", OverlongPrompt, self.overlong_prompt)
         self.kv.validate(f"{prefix}.kv")
         engine = _enum(f"{prefix}.engine", EngineKind, self.engine)
         self.vllm.validate(f"{prefix}.vllm")

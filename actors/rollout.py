@@ -31,6 +31,7 @@ class RolloutActor:
                  actor_id: int = 0):
         torch.set_num_threads(1)
         from common.modeling import load_tokenizer
+        from common.tokens import PromptEncoder, eos_token_ids, max_positions
 
         self.cfg = _as_object(cfg)
         self.cfg.validate("rollout")
@@ -39,6 +40,10 @@ class RolloutActor:
         self.actor_id = actor_id
         self.engine = make_engine(self.cfg, self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
+        # chat template + length rule (the driver already dropped or refused over-long prompts)
+        self.prompts = PromptEncoder.from_config(self.tokenizer, self.cfg,
+                                                 max_positions(self.model_path))
+        self.stop_ids = eos_token_ids(self.tokenizer, self.model_path)  # + generation_config's
         self.version = 0
         self._task = None
         self._receiver = None
@@ -66,13 +71,12 @@ class RolloutActor:
         an uninterrupted one would. Without ``batch`` (evaluation, direct use) a per-actor call
         counter stands in, in a separate seed stream."""
         c = self.cfg
-        eos = self.tokenizer.eos_token_id
         key = batch if batch is not None else -1 - self._calls
         seed = (c.seed * 1_000_003 + self.actor_id) * 1_000_003 + key
         self._calls += 1
         return SamplingParams(max_new_tokens=c.max_new_tokens,
                               temperature=0.0 if greedy else c.temperature, top_p=c.top_p,
-                              top_k=c.top_k, stop_token_ids=() if eos is None else (int(eos),),
+                              top_k=c.top_k, stop_token_ids=self.stop_ids,
                               stop=tuple(c.stop), seed=seed,
                               logprob_mode=getattr(c.logprob_mode, "value", c.logprob_mode))
 
@@ -95,7 +99,7 @@ class RolloutActor:
 
     def _generate(self, problems, samples: int, greedy: bool, dense: bool = False,
                   batch: int | None = None):
-        prompts = [self.tokenizer(p.prompt)["input_ids"] for p in problems]
+        prompts = [self.prompts.encode(p.prompt) for p in problems]
         expanded = [ids for ids in prompts for _ in range(samples)]
         params = self._params(greedy, batch)
         engine = self._dense_engine() if dense else self.engine
@@ -145,12 +149,13 @@ class RolloutActor:
         """pi_dense^v: teacher-forced dense log-probs of each response under the weights that just
         generated it (the scorer's code and temperature, so they compare with ``old_logprobs``).
         Runs right after generation, before any ``sync_weights`` can swap the weights."""
-        from actors.scorer import dense_logprobs, pad_id_of
+        from actors.scorer import dense_logprobs
+        from common.tokens import pad_token_id
 
         model = self.engine.model
         return dense_logprobs(model, [list(o.prompt_ids) for o in outs],
                               [list(o.response_ids) for o in outs], float(self.cfg.temperature),
-                              pad_id_of(model), int(self.cfg.dense_micro_batch))
+                              pad_token_id(self.tokenizer), int(self.cfg.dense_micro_batch))
 
     def evaluate(self, problems, greedy: bool = True, dense: bool = True) -> dict:
         """One sample per problem (greedy, or sampled at the rollout temperature), decoded with a

@@ -30,7 +30,8 @@ import pyarrow as pa
 import torch
 
 from common.dtypes import torch_dtype
-from common.modeling import checksum, load_model, token_logprobs
+from common.modeling import checksum, load_model, load_tokenizer, token_logprobs
+from common.tokens import pad_token_id
 
 # Largest change of a token's log-prob with the batch it is scored in (module docstring)
 BF16_BATCH_TOL = 1.5e-2
@@ -53,12 +54,6 @@ def _rows(batch: pa.RecordBatch | pa.Table) -> tuple[list[str], list[list[int]],
         if not p:  # the first response token would have no context to be scored against
             raise ValueError(f"scorer: sample {sid} has an empty prompt")
     return ids, prompts, responses
-
-
-def pad_id_of(model) -> int:
-    """The model config's pad token id (0 when it has none): fills the padded positions."""
-    pad = getattr(model.config, "pad_token_id", None)
-    return int(pad) if pad is not None else 0
 
 
 @torch.no_grad()
@@ -112,7 +107,7 @@ class ScorerActor:
         self.micro_batch = int(cfg.micro_batch)
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         self.model = load_model(model_path, dtype=_dtype(cfg)).to(self.device)
-        self.pad_id = pad_id_of(self.model)
+        self.pad_id = pad_token_id(load_tokenizer(model_path))  # the rule every part pads by
         self.ref = None
         if ref_model_path is not None:
             self.ref = load_model(ref_model_path, dtype=_dtype(cfg)).to(self.device)

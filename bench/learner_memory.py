@@ -120,13 +120,13 @@ def main(argv=None) -> list[dict]:
         impl, resp_len, model_dir = args.one.split(",", 2)
         print(json.dumps(one_step(impl, int(resp_len), model_dir, args)))
         return []
-    from learner.testing import make_tiny_model
+    from common.testmodels import build_model
 
     lens = [256, 1024] if args.quick else [int(x) for x in args.resp_lens.split(",")]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-lm-") as tmp:
-        model_dir = make_tiny_model(os.path.join(tmp, "model"), vocab=args.vocab,
-                                    hidden=args.hidden, layers=args.layers)
+        model_dir = build_model(os.path.join(tmp, "model"), vocab_size=args.vocab,
+                                hidden_size=args.hidden, num_hidden_layers=args.layers)
         for n in lens:
             for impl in ("naive", "ours"):
                 rows.append(_child(impl, n, model_dir, argv))

@@ -68,7 +68,7 @@ BAR_SPEED, BAR_KV, BAR_MIN_LEN, BAR_FRAC = 2.0, 0.30, 2048, 0.25
 
 def model_dirs(names: list[str], tmp: Path) -> dict[str, Path]:
     """Resolve model names to HF directories (random-weight ones are built in tmp)."""
-    from actors.native.tiny import build_tiny
+    from common.testmodels import build_model
 
     base = ROOT / ".cache/models/tiny-base"
     out = {}
@@ -79,17 +79,17 @@ def model_dirs(names: list[str], tmp: Path) -> dict[str, Path]:
 
         tiny_cfg = AutoConfig.from_pretrained(str(base))
     else:
-        out["tiny"] = build_tiny(tmp / "tiny", "qwen2", hidden=256, layers=4, heads=4, kv_heads=2,
-                                 vocab=512)
-    if "mid" in names:
-        arch = tiny_cfg.model_type if tiny_cfg is not None else "qwen2"
+        out["tiny"] = build_model(tmp / "tiny", "tiny", hidden_size=256, num_hidden_layers=4,
+                                  intermediate_size=512, vocab_size=512)
+    if "mid" in names:   # the base model is a Qwen2 of the "tiny" family
         vocab = tiny_cfg.vocab_size if tiny_cfg is not None else 512
         heads, kv = 12, 4
         if tiny_cfg is not None:
             ratio = tiny_cfg.num_attention_heads // tiny_cfg.num_key_value_heads
             kv = max(1, heads // ratio)
-        out["mid"] = build_tiny(tmp / "mid", arch, hidden=768, layers=12, heads=heads, kv_heads=kv,
-                                vocab=vocab, intermediate=2048)
+        out["mid"] = build_model(tmp / "mid", "tiny", hidden_size=768, num_hidden_layers=12,
+                                 num_attention_heads=heads, num_key_value_heads=kv,
+                                 vocab_size=vocab, intermediate_size=2048)
     return {n: out[n] for n in names}
 
 

@@ -60,16 +60,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build_model(vocab_size: int, hidden: int, layers: int, heads: int, tok):
-    """A fresh Qwen2ForCausalLM sized by the arguments (tied embeddings, 2 KV heads)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A fresh Qwen2 causal LM of the "tiny" test-model family (``common/testmodels.py``: tied
+    embeddings) sized by the arguments, with heads // 2 KV heads and 1024 positions."""
+    from transformers import AutoModelForCausalLM
 
-    cfg = Qwen2Config(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 4,
+    from common.testmodels import model_config
+
+    cfg = model_config(
+        "tiny", vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 4,
         num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 2), max_position_embeddings=1024, rope_theta=10000.0,
-        tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, use_sliding_window=False)
-    return Qwen2ForCausalLM(cfg)
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id)
+    return AutoModelForCausalLM.from_config(cfg)
 
 
 def encode_example(tok, prompt: str, response: str) -> tuple[list[int], list[int]]:

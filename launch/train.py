@@ -21,15 +21,23 @@ from pathlib import Path
 
 def main(argv: list[str]) -> dict:
     # 1. Config: merged and validated before anything starts (a bad key stops here, naming it).
-    # resume=DIR starts from the checkpoint's own config; command-line keys still win.
-    from common.errors import ConfigError
+    # resume=DIR starts from the checkpoint's own config; command-line keys still win. The model
+    # directory, chat template and prompt + max_new_tokens vs max_position_embeddings too.
+    from common.tokens import pad_token_id
     from launch import checkpoint
     from launch.config import RunMode, to_yaml
+    from launch.preflight import check_model, task_prompts
+    from tasks import make_task
 
     cfg, ckpt = checkpoint.load_run_config(argv)
-    if not (Path(cfg.rollout.model_path) / "config.json").is_file():
-        raise ConfigError("rollout.model_path", cfg.rollout.model_path,
-                          "an HF model directory with config.json (`make model` builds the tiny base)")
+    tokenizer, encoder = check_model(cfg)
+    pad_id = pad_token_id(tokenizer)  # the rollout and scorer pad by the same rule
+
+    # 2. The task: training prompts in a seeded order, a fixed held-out slice for evaluation;
+    # prompts longer than rollout.max_prompt_tokens are dropped, truncated or refused, and counted.
+    task = make_task(cfg.task)
+    train, heldout, overlong = task_prompts(task, encoder, cfg.run.eval_problems)
+
     # A fresh folder per run, so a second run never mixes with (or deletes) an earlier one's files.
     run_dir = Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=False)
@@ -38,21 +46,13 @@ def main(argv: list[str]) -> dict:
     from buffer.tensors import to_tensors
     from cluster.pools import broadcast_weights, build_pools, connect_weight_sync, on_learners
     from cluster.ray_setup import start_ray
-    from common.modeling import load_tokenizer
     from launch.steps import (MetricsLog, PromptSampler, batch_metrics, evaluate, fill_rollouts,
                               gather_rollouts, land_rollouts, score_pending, sync_weights)
     from learner.batch import prepare_batch, reduce_metrics, shard_batch
-    from tasks import make_task
 
     t_start = time.time()
     log = MetricsLog(run_dir)
-
-    # 2. The task: training prompts in a seeded order, a fixed held-out slice for evaluation.
-    task = make_task(cfg.task)
-    heldout = task.problems("heldout")
-    heldout = heldout[:cfg.run.eval_problems] if cfg.run.eval_problems else heldout
-    sampler = PromptSampler(task.problems("train"), cfg.run.prompts_per_step, cfg.run.seed)
-    pad_id = load_tokenizer(cfg.rollout.model_path).pad_token_id
+    sampler = PromptSampler(train, cfg.run.prompts_per_step, cfg.run.seed)
 
     # 3. Ray (in-process on 127.0.0.1 unless cluster.address is set) and the actor pools.
     ray = start_ray(cfg.cluster, run_dir)
@@ -64,7 +64,8 @@ def main(argv: list[str]) -> dict:
     state = checkpoint.restore(ckpt, pools, sampler) if ckpt else {"step": 0, "in_flight": 0}
     connect_weight_sync(pools, cfg)
     version, sync = broadcast_weights(pools)  # everyone starts from the learner's exact weights
-    log.write({"step": state["step"], "version": version, **sync, "resumed_from": str(ckpt or "")})
+    log.write({"step": state["step"], "version": version, **sync, **overlong,
+               "resumed_from": str(ckpt or "")})
 
     # 5. Held-out accuracy before RL (a resumed run keeps the first run's).
     acc_before = state.get("accuracy_before")
@@ -140,7 +141,8 @@ def main(argv: list[str]) -> dict:
     log.write({"step": cfg.run.steps, "eval/accuracy": acc_after})
     on_learners(pools, "save_hf", str(run_dir / "final"))
     summary = {"steps": cfg.run.steps, "version": version, "time_s": round(time.time() - t_start, 1),
-               "accuracy_before": acc_before, "accuracy_after": acc_after, "run_dir": str(run_dir)}
+               "accuracy_before": acc_before, "accuracy_after": acc_after, "run_dir": str(run_dir),
+               **overlong}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     log.close()
     ray.shutdown()

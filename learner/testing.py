@@ -9,21 +9,6 @@ from pathlib import Path
 import torch
 
 
-def make_tiny_model(path: str | Path, seed: int = 0, vocab: int = 128, hidden: int = 64,
-                    layers: int = 2) -> str:
-    """Save a random-weight Qwen2 causal LM (~0.1M params) as an HF safetensors directory."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=256, tie_word_embeddings=True,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = Qwen2ForCausalLM(cfg)
-    model.save_pretrained(str(path))
-    return str(path)
-
-
 def make_batch(num_groups: int = 2, group_size: int = 4, vocab: int = 128, seed: int = 0,
                max_prompt: int = 6, max_response: int = 10, model=None,
                noise: float = 0.05) -> dict[str, torch.Tensor]:

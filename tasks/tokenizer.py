@@ -39,8 +39,12 @@ def _byte_symbols() -> list[str]:
     return [table[b] for b in range(256)]
 
 
-def build_char_tokenizer():
-    """A fast tokenizer: one token per byte, <eos>/<pad>/<bos>/<unk> specials, exact decode."""
+def build_char_tokenizer(pad: bool = True, extra_specials: tuple[str, ...] = ()):
+    """A fast tokenizer: one token per byte, <eos>/<pad>/<bos>/<unk> specials, exact decode.
+
+    ``pad=False`` leaves the pad token unset (as Llama-3's tokenizer does; ``<pad>`` keeps id 0, so
+    ids do not move); ``extra_specials`` are appended after the 260 byte ids (e.g. an end-of-turn
+    token that a chat template and ``generation_config.eos_token_id`` name)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -52,13 +56,18 @@ def build_char_tokenizer():
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
-        clean_up_tokenization_spaces=False, padding_side="left", model_max_length=4096)
+    out = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD if pad else None,
+        unk_token=UNK, clean_up_tokenization_spaces=False, padding_side="left",
+        model_max_length=4096)
+    if extra_specials:
+        out.add_special_tokens({"additional_special_tokens": list(extra_specials)})
+    return out
 
 
-def save_char_tokenizer(out_dir: str | Path):
-    """Build the tokenizer and ``save_pretrained`` it into ``out_dir``; returns it."""
-    tok = build_char_tokenizer()
+def save_char_tokenizer(out_dir: str | Path, **kw):
+    """Build the tokenizer (``build_char_tokenizer(**kw)``), ``save_pretrained`` it into
+    ``out_dir``; returns it."""
+    tok = build_char_tokenizer(**kw)
     tok.save_pretrained(str(out_dir))
     return tok

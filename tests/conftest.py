@@ -49,10 +49,10 @@ SMALL_JOB = ["run.eval_problems=8", "run.prompts_per_step=4", "rollout.samples_p
 
 @pytest.fixture(scope="session")
 def learner_model_dir(tmp_path_factory) -> Path:
-    """learner.testing's tiny model, for learner tests (built once per session)."""
-    from learner.testing import make_tiny_model
+    """The "tiny" test-model family (common/testmodels.py), for learner tests (built once)."""
+    from common.testmodels import build_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+    return str(build_model(tmp_path_factory.mktemp("tiny") / "model"))
 
 
 @pytest.fixture(scope="session")

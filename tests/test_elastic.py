@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from actors.config import RolloutConfig, ScorerConfig
-from actors.native.tiny import build_tiny
 from cluster.config import ClusterConfig
 from correction.config import CorrectionConfig, LossConfig
 from cluster.weight_sync import WeightReceiver, WeightSender, free_port
+from common.testmodels import build_model
 from tasks.base import Problem
 from tasks.config import TaskConfig
 
@@ -59,7 +59,7 @@ def ray_env(tmp_path_factory):
 
     run_dir = tmp_path_factory.mktemp("elastic")
     ray = start_ray(ClusterConfig(num_cpus=2), run_dir)
-    model = str(build_tiny(run_dir / "model", "qwen2", seed=0))
+    model = str(build_model(run_dir / "model", "tiny", seed=0))
     yield ray, model
     ray.shutdown()
 

@@ -1,4 +1,5 @@
-"""Native engine, dense policy: equals HF forward (Qwen2, Qwen3, Llama), ragged prompts, sampling."""
+"""Native engine, dense policy: equals HF forward for every test-model family (Qwen2, Qwen2.5,
+Qwen3, Llama-3 with llama3 RoPE scaling, GQA 4), ragged prompts, sampling, stop tokens."""
 from __future__ import annotations
 
 import math
@@ -8,17 +9,22 @@ import torch
 
 from actors.engine import SamplingParams
 from actors.native import NativeEngine
-from actors.native.tiny import build_tiny
+from actors.native.model import Decoder
 from common.modeling import load_model
+from common.testmodels import FAMILIES, build_model
 
 torch.set_num_threads(1)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23]]
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "llama"])
-def model(request, tmp_path_factory):
-    path = build_tiny(tmp_path_factory.mktemp(request.param), request.param, seed=1)
-    return load_model(path)
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model(family, tmp_path_factory):
+    return load_model(build_model(tmp_path_factory.mktemp(family), family, seed=1))
 
 
 def hf_logits(model, prompt, response):
@@ -35,6 +41,31 @@ def test_dense_greedy_matches_hf_forward(model):
         ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(o.response_ids)[:, None])
         assert torch.allclose(ref.squeeze(-1), torch.tensor(o.logprobs), atol=1e-5)
         assert o.finish_reason == "length" and o.kept_ratio == 1.0 and o.prompt_ids == p
+
+
+def test_forward_full_logits_equal_hf(model):
+    """Dense logits of the engine's own attention == HF forward over 96 tokens (past the llama3
+    family's original_max_position_embeddings of 64). Tolerance 1e-4 on float32 logits: the two
+    sum the same products in a different order."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (2, 96), generator=g)
+    causal = torch.ones(96, 96, dtype=torch.bool).tril()[None, None, None]
+    got = Decoder(model).forward_full(ids, torch.arange(96)[None].expand(2, -1), lambda i: causal)
+    with torch.no_grad():
+        want = model(ids).logits.float()
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
+
+
+def test_any_of_several_stop_ids_ends_a_row(model):
+    """Llama-3 style: generation_config lists several eos ids; whichever comes first ends the row."""
+    eng = NativeEngine(model)
+    greedy = dict(max_new_tokens=12, temperature=0)
+    full = eng.generate(PROMPTS, SamplingParams(**greedy))[0].response_ids
+    a, b = full[6], full[3]
+    cut = min(full.index(a), full.index(b))
+    out = eng.generate(PROMPTS[:1], SamplingParams(**greedy, stop_token_ids=(a, b)))[0]
+    assert out.finish_reason == "stop" and out.response_ids == full[:cut + 1]
 
 
 def test_batched_equals_one_by_one(model):
@@ -106,9 +137,9 @@ def test_stop_tokens_end_rows_and_others_continue(model):
         assert (o.finish_reason == "stop") == (stop in o.response_ids)
 
 
-def test_load_weights_and_checksum(model, tmp_path):
-    other = load_model(build_tiny(tmp_path / "other", model.config.model_type, seed=2))
-    eng = NativeEngine(load_model(build_tiny(tmp_path / "mine", model.config.model_type, seed=1)))
+def test_load_weights_and_checksum(family, tmp_path):
+    other = load_model(build_model(tmp_path / "other", family, seed=2))
+    eng = NativeEngine(load_model(build_model(tmp_path / "mine", family, seed=1)))
     assert eng.state_checksum() != NativeEngine(other).state_checksum()
     eng.load_weights(list(other.named_parameters()), version=5)
     assert eng.version == 5
@@ -117,10 +148,10 @@ def test_load_weights_and_checksum(model, tmp_path):
         eng.load_weights([("nope.weight", torch.zeros(1))], version=6)
 
 
-def test_bfloat16_model_runs_with_a_bf16_cache(model, tmp_path):
+def test_bfloat16_model_runs_with_a_bf16_cache(model, family, tmp_path):
     from actors.config import KVConfig
 
-    bf = load_model(build_tiny(tmp_path / "bf", model.config.model_type, seed=1),
+    bf = load_model(build_model(tmp_path / "bf", family, seed=1),
                     dtype=torch.bfloat16)
     eng = NativeEngine(bf, KVConfig(policy="h2o", budget=8, compress_every=4))
     outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=12, seed=0))
@@ -131,11 +162,10 @@ def test_bfloat16_model_runs_with_a_bf16_cache(model, tmp_path):
     assert eng.last_stats["allocated_kv_bytes"] * 2 == per_token_fp32.last_stats["allocated_kv_bytes"]
 
 
-def test_replaced_parameters_are_picked_up(model, tmp_path):
+def test_replaced_parameters_are_picked_up(family, tmp_path):
     """Fused QKV/gate-up weights are rebuilt when parameters are replaced, not updated in place."""
-    arch = model.config.model_type
-    mine = load_model(build_tiny(tmp_path / "a", arch, seed=1))
-    other = load_model(build_tiny(tmp_path / "b", arch, seed=2))
+    mine = load_model(build_model(tmp_path / "a", family, seed=1))
+    other = load_model(build_model(tmp_path / "b", family, seed=2))
     eng = NativeEngine(mine)
     greedy = SamplingParams(max_new_tokens=8, temperature=0)
     eng.generate(PROMPTS, greedy)

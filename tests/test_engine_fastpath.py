@@ -8,8 +8,8 @@ import torch
 from actors.engine import SamplingParams
 from actors.native import NativeEngine
 from actors.native.model import Decoder, RopeTable, rotate, rotate_rows
-from actors.native.tiny import build_tiny
 from common.modeling import load_model
+from common.testmodels import build_model
 
 torch.set_num_threads(1)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23]]
@@ -19,7 +19,7 @@ GREEDY = SamplingParams(max_new_tokens=10, temperature=0)
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("fast")
-    return [build_tiny(root / str(s), "qwen2", seed=s) for s in (1, 2)]
+    return [build_model(root / str(s), "tiny", seed=s) for s in (1, 2)]
 
 
 def test_in_place_weight_updates_reach_the_transposed_copies(models):
@@ -29,7 +29,8 @@ def test_in_place_weight_updates_reach_the_transposed_copies(models):
     eng.load_weights(list(other.named_parameters()), version=1)       # param.copy_: in place
     got = eng.generate(PROMPTS, GREEDY)
     want = NativeEngine(load_model(models[1])).generate(PROMPTS, GREEDY)
-    assert [o.response_ids for o in got] != [o.response_ids for o in before]
+    # log-probs, not ids: with tied embeddings both random models greedily repeat the last token
+    assert all(g.logprobs != pytest.approx(b.logprobs, abs=1e-3) for g, b in zip(got, before))
     for g, w in zip(got, want):
         assert g.response_ids == w.response_ids
         assert g.logprobs == pytest.approx(w.logprobs, abs=1e-6)

@@ -18,7 +18,7 @@ import torch
 
 from actors.config import KVConfig
 from actors.engine import SamplingParams
-from actors.native.tiny import build_tiny
+from common.testmodels import VLLM_CPU, build_model
 from common.modeling import checksum, load_model
 
 pytestmark = pytest.mark.gpu
@@ -29,7 +29,7 @@ BF16_TOL = 5e-2   # bf16 decode vs bf16 full forward: different kernels, 8-bit m
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("gpu_tiny"), "qwen2", seed=3)
+    return build_model(tmp_path_factory.mktemp("gpu_tiny"), seed=3)
 
 
 def _cuda(path, dtype):
@@ -80,10 +80,10 @@ def test_native_sparse_logprobs_are_the_sparse_policys_on_cuda(tiny, policy, dty
 def test_scorer_bf16_on_cuda_reference_and_batch_tolerance(tmp_path):
     from actors.config import ScorerConfig
     from actors.scorer import BF16_BATCH_TOL, ScorerActor, dense_logprobs
-    from learner.testing import make_tiny_model
 
-    base = make_tiny_model(tmp_path / "base", seed=3, hidden=256, layers=4)
-    other = load_model(make_tiny_model(tmp_path / "other", seed=4, hidden=256, layers=4))
+    base = build_model(tmp_path / "base", seed=3, hidden_size=256, num_hidden_layers=4)
+    other = load_model(build_model(tmp_path / "other", seed=4, hidden_size=256,
+                                   num_hidden_layers=4))
     scorer = ScorerActor(ScorerConfig(micro_batch=4, dtype="bfloat16"), base, 1.0,
                          ref_model_path=base)
     assert scorer.device.type == "cuda" and scorer.ref.dtype == torch.bfloat16
@@ -106,10 +106,9 @@ def test_scorer_bf16_on_cuda_reference_and_batch_tolerance(tmp_path):
 def test_vllm_bf16_generate_and_reload_from_cuda_tensors(tmp_path):
     pytest.importorskip("vllm")
     from actors.vllm import VLLMEngine
-    from actors.vllm.testing import build_model
 
-    path = build_model(tmp_path / "m", seed=0)
-    other = load_model(build_model(tmp_path / "o", seed=1), dtype=torch.bfloat16).to("cuda")
+    path = build_model(tmp_path / "m", seed=0, **VLLM_CPU)
+    other = load_model(build_model(tmp_path / "o", seed=1, **VLLM_CPU), dtype=torch.bfloat16).to("cuda")
     orig = load_model(path, dtype=torch.bfloat16).to("cuda")
     eng = VLLMEngine(path, KVConfig(policy="dense"), batch_size=8, dtype="bfloat16",
                      max_model_len=256, gpu_memory_utilization=0.3)

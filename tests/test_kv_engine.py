@@ -8,8 +8,8 @@ from actors.config import KVConfig
 from actors.engine import SamplingParams
 from actors.native import NativeEngine
 from actors.native.reference import recompute_logprobs
-from actors.native.tiny import build_tiny
 from common.modeling import load_model
+from common.testmodels import build_model
 
 torch.set_num_threads(1)
 POLICIES = ["streaming", "h2o", "snapkv", "rkv"]
@@ -17,9 +17,9 @@ POLICIES = ["streaming", "h2o", "snapkv", "rkv"]
 PROMPTS = [list(range(5, 27)), [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "llama"])
+@pytest.fixture(scope="module", params=["tiny", "qwen3", "llama3"])
 def model(request, tmp_path_factory):
-    return load_model(build_tiny(tmp_path_factory.mktemp(request.param), request.param, seed=3))
+    return load_model(build_model(tmp_path_factory.mktemp(request.param), request.param, seed=3))
 
 
 def kv(policy, budget=12, every=5):

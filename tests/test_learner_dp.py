@@ -22,7 +22,8 @@ from common.modeling import load_model
 from correction import CorrectionConfig
 from learner.batch import prepare_batch, reduce_metrics, shard_batch
 from learner.config import LearnerConfig
-from learner.testing import make_batch, make_tiny_model
+from common.testmodels import build_model
+from learner.testing import make_batch
 
 _EXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".cache", "torch_extensions")
 
@@ -87,7 +88,7 @@ def _worker(rank, world, port, model_dir, stages, q):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_dp") / "model")
+    return build_model(tmp_path_factory.mktemp("tiny_dp") / "model")
 
 
 _STAGES = (2, 3)

@@ -10,7 +10,8 @@ from common.modeling import load_model
 from correction import CorrectionConfig
 from learner.config import LearnerConfig
 from learner.batch import prepare_batch, shard_batch
-from learner.testing import make_batch, make_tiny_model
+from common.testmodels import build_model
+from learner.testing import make_batch
 
 
 @pytest.fixture()
@@ -34,7 +35,7 @@ def test_two_ray_learners_train_and_broadcast_to_a_scorer(ray_local, tmp_path):
     from cluster.weight_sync import free_port
     from learner.learner import Learner
 
-    model_dir = make_tiny_model(tmp_path / "model")
+    model_dir = build_model(tmp_path / "model")
     cfg = LearnerConfig(num_learners=2, zero_stage=1, lr=1e-3, micro_batch_size=4)
     learner_cls = ray.remote(num_cpus=0.5)(Learner)
     ds_port = free_port()

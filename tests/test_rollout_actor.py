@@ -8,9 +8,9 @@ import torch
 
 from actors.config import KVConfig, RolloutConfig, ScorerConfig
 from actors.engine import make_engine
-from actors.native.tiny import build_tiny
 from actors.rollout import RolloutActor
 from common.errors import ConfigError
+from common.testmodels import build_model
 from tasks.base import Problem
 
 torch.set_num_threads(1)
@@ -28,7 +28,7 @@ class ContainsAnswer:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return str(build_tiny(tmp_path_factory.mktemp("m"), "qwen2", seed=0))
+    return str(build_model(tmp_path_factory.mktemp("m"), "tiny", seed=0))
 
 
 def make_actor(model_dir, **kw):
@@ -74,7 +74,7 @@ def test_weights_via_load_and_weight_sync(model_dir, tmp_path):
     from common.modeling import load_model
 
     actor = make_actor(model_dir)
-    other = load_model(build_tiny(tmp_path / "o", "qwen2", seed=5))
+    other = load_model(build_model(tmp_path / "o", "tiny", seed=5))
     target = NativeChecksum(other)
     actor.load_weights(list(other.named_parameters()), 3)
     assert actor.version == 3 and actor.state_checksum() == target
@@ -86,9 +86,9 @@ def test_weights_received_in_place_reach_generation(tmp_path):
     from cluster.weight_sync import WeightSender, free_port
     from common.modeling import load_model
 
-    dims = dict(hidden=128, intermediate=4096, layers=1)
-    base = str(build_tiny(tmp_path / "b", "qwen2", seed=0, **dims))
-    other = load_model(build_tiny(tmp_path / "o", "qwen2", seed=5, **dims))
+    dims = dict(hidden_size=128, intermediate_size=4096, num_hidden_layers=1)
+    base = str(build_model(tmp_path / "b", "tiny", seed=0, **dims))
+    other = load_model(build_model(tmp_path / "o", "tiny", seed=5, **dims))
     target = NativeChecksum(other)
     actor = make_actor(base)
     actor.load_weights(list(other.named_parameters()), 3)
@@ -125,8 +125,8 @@ def test_staged_weights_swap_in_between_rollouts_never_mid_generation(tmp_path):
     from cluster.weight_sync import WeightSender, free_port
     from common.modeling import load_model
 
-    base = str(build_tiny(tmp_path / "b", "qwen2", seed=0))
-    other = load_model(build_tiny(tmp_path / "o", "qwen2", seed=5))
+    base = str(build_model(tmp_path / "b", "tiny", seed=0))
+    other = load_model(build_model(tmp_path / "o", "tiny", seed=5))
     target = NativeChecksum(other)
     ref_old = make_actor(base).rollout(PROBLEMS, version=0, batch=1)
     ref_new_actor = make_actor(base)

@@ -10,10 +10,10 @@ from bench.rollout import (bars, equal_memory_info, memory_matched_batch, native
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from actors.native.tiny import build_tiny
+    from common.testmodels import build_model
     from common.modeling import load_model
 
-    return load_model(build_tiny(tmp_path_factory.mktemp("bench") / "m", "qwen2", seed=0))
+    return load_model(build_model(tmp_path_factory.mktemp("bench") / "m", "tiny", seed=0))
 
 
 @pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv", "rkv"])

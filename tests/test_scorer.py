@@ -12,14 +12,14 @@ import torch
 from actors.scorer import BF16_BATCH_TOL, FP32_BATCH_TOL, ScorerActor, dense_logprobs
 from cluster.weight_sync import WeightSender, free_port, weight_spec
 from common.modeling import checksum, load_model
-from learner.testing import make_tiny_model
+from common.testmodels import build_model
 
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_scorer") / "model")
+    return build_model(tmp_path_factory.mktemp("tiny_scorer") / "model")
 
 
 def _cfg(micro_batch=2):
@@ -74,7 +74,7 @@ def test_empty_prompt_is_a_clear_error(model_dir):
 
 def test_sync_weights_from_a_sender(model_dir, tmp_path):
     scorer = ScorerActor(_cfg(), model_dir, 1.0)
-    other = load_model(make_tiny_model(tmp_path / "other", seed=7))
+    other = load_model(build_model(tmp_path / "other", seed=7))
     port = free_port()
     errors = []
 
@@ -105,7 +105,7 @@ def test_reference_logprobs_stay_the_initial_models_after_weight_updates(model_d
     ``load_weights``) change the old log-probs only."""
     scorer = ScorerActor(_cfg(micro_batch=2), model_dir, 0.7, ref_model_path=model_dir)
     initial = load_model(model_dir)
-    other = load_model(make_tiny_model(tmp_path / "other", seed=7))
+    other = load_model(build_model(tmp_path / "other", seed=7))
     assert not any(p.requires_grad for p in scorer.ref.parameters())
     batch = _batch()
     _, old0, ref0 = scorer.score(batch)
@@ -139,7 +139,8 @@ def test_row_logprobs_do_not_depend_on_the_batch(tmp_path_factory, dtype, tol):
     """Each row scored alone vs inside batches of longer and shorter rows (right padding, other
     micro-batch groupings): equal within the scorer's stated tolerance (actors/scorer.py). A wider
     model than the other tests' so bf16 rounding has room to show; fp32 must stay exact-ish."""
-    path = make_tiny_model(tmp_path_factory.mktemp("wide") / "m", seed=3, hidden=256, layers=4)
+    path = build_model(tmp_path_factory.mktemp("wide") / "m", seed=3, hidden_size=256,
+                       num_hidden_layers=4)
     model = load_model(path, dtype=dtype)
     prompts, responses = _mixed_rows(16, seed=1)
     alone = [dense_logprobs(model, [p], [r], 1.0, 0, 1)[0] for p, r in zip(prompts, responses)]

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from actors.config import KVConfig, RolloutConfig, ScorerConfig
-from actors.native.tiny import build_tiny
 from actors.rollout import RolloutActor
 from actors.scorer import ScorerActor
 from buffer import BufferConfig, ReplayBuffer, SCHEMA
@@ -23,6 +22,7 @@ from buffer.tensors import to_tensors
 from common.errors import ConfigError
 from common.modeling import load_model
 from learner.testing import train
+from common.testmodels import build_model
 from correction import CorrectionConfig, correct
 from tasks.base import Problem
 
@@ -132,7 +132,7 @@ class _Contains:
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    return str(build_tiny(tmp_path_factory.mktemp("m"), "qwen2", seed=0))
+    return str(build_model(tmp_path_factory.mktemp("m"), "tiny", seed=0))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -143,7 +143,7 @@ def test_rollout_dense_logprobs_equal_the_scorer_at_the_same_weights(tiny_dir, t
                         temperature=temperature, dense_logprobs=True, dense_micro_batch=2)
     actor = RolloutActor(cfg, task_cfg=None, model_path=tiny_dir, actor_id=1)
     actor._task = _Contains()
-    other = load_model(build_tiny(tmp_path / "o", "qwen2", seed=3))   # weights of "version 2"
+    other = load_model(build_model(tmp_path / "o", "tiny", seed=3))   # weights of "version 2"
     actor.load_weights(list(other.named_parameters()), 2)
     problems = [Problem(0, "1+2=", "3"), Problem(7, "hello there", "o")]
     rows = actor.rollout(problems, version=2, batch=0)

@@ -9,7 +9,7 @@ from actors.config import KVConfig, RolloutConfig
 from actors.engine import SamplingParams
 from actors.native import NativeEngine
 from actors.native.stops import StopMatcher
-from actors.vllm.testing import build_model
+from common.testmodels import VLLM_CPU, build_model, model_config
 from common.errors import ConfigError
 from common.modeling import load_model, load_tokenizer
 
@@ -20,8 +20,9 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23]]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     # larger init std than HF's: greedy continuations vary instead of repeating one character;
-    # vocab 99 = the char tokenizer's 4 specials + 95 printable characters
-    return build_model(tmp_path_factory.mktemp("stops"), seed=0, vocab=99)
+    # vocab 131 = the char tokenizer's 4 specials + bytes 0-126: every token decodes to one ASCII
+    # character and none to \x7f (the impossible stop string below)
+    return build_model(tmp_path_factory.mktemp("stops"), seed=0, **VLLM_CPU, vocab_size=131)
 
 
 def first_completion(decode, ids, stop) -> int | None:
@@ -85,9 +86,7 @@ def test_matcher_multibyte_and_long_history():
 def test_engine_without_tokenizer_says_so():
     from transformers import AutoModelForCausalLM
 
-    from actors.native.tiny import tiny_config
-
-    model = AutoModelForCausalLM.from_config(tiny_config())     # no directory behind it
+    model = AutoModelForCausalLM.from_config(model_config())     # no directory behind it
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         NativeEngine(model).generate([[5, 6]], SamplingParams(max_new_tokens=2, stop=("a",)))
 

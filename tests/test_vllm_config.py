@@ -88,9 +88,10 @@ def llm_kwargs(monkeypatch):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     pytest.importorskip("vllm")
-    from actors.vllm.testing import build_model
+    from common.testmodels import VLLM_CPU, build_model
 
-    return str(build_model(tmp_path_factory.mktemp("vllm_cfg"), max_pos=1024))
+    return str(build_model(tmp_path_factory.mktemp("vllm_cfg"), max_position_embeddings=1024,
+                           **VLLM_CPU))
 
 
 def _gpu(monkeypatch, gpu: bool) -> None:

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 from actors.config import KVConfig, RolloutConfig  # noqa: E402
 from actors.engine import SamplingParams  # noqa: E402
-from actors.vllm.testing import build_model  # noqa: E402
+from common.testmodels import VLLM_CPU, build_model  # noqa: E402
 from common.errors import ConfigError  # noqa: E402
 
 LOGP_TOL = 1e-4
@@ -24,7 +24,7 @@ PROMPTS = [[1, 40, 41, 42, 43], [1, 60, 61], [1, 70, 71, 72, 73, 74, 75, 76, 77]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("vllm_tiny"))
+    return build_model(tmp_path_factory.mktemp("vllm_tiny"), **VLLM_CPU)
 
 
 @pytest.fixture(scope="module")

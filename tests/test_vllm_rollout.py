@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 from actors.config import KVConfig, RolloutConfig  # noqa: E402
 from actors.engine import make_engine  # noqa: E402
-from actors.vllm.testing import build_model  # noqa: E402
+from common.testmodels import VLLM_CPU, build_model  # noqa: E402
 from tasks.base import Problem  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ class ContainsAnswer:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return str(build_model(tmp_path_factory.mktemp("vllm_rollout")))
+    return str(build_model(tmp_path_factory.mktemp("vllm_rollout"), **VLLM_CPU))
 
 
 def actor(model_dir, engine: str, kv: KVConfig):
@@ -96,7 +96,8 @@ def test_rows_same_shape_as_native(model_dir):
 @pytest.mark.skipif(not (ROOT / "launch" / "train.py").is_file(), reason="no launch/train.py")
 def test_train_few_steps_with_vllm(tmp_path):
     """Two RL steps with vLLM rollouts (sliding window) on the tiny model, in a subprocess."""
-    model = build_model(tmp_path / "model", hidden=128, layers=2, heads=4, kv_heads=2)
+    model = build_model(tmp_path / "model", **{**VLLM_CPU, "hidden_size": 128,
+                                                "num_attention_heads": 4, "num_key_value_heads": 2})
     args = [sys.executable, str(ROOT / "launch" / "train.py"), "rollout.engine=vllm",
             f"rollout.model_path={model}", "rollout.kv.policy=streaming", "rollout.kv.budget=32",
             "rollout.kv.sink_tokens=0", "rollout.samples_per_prompt=2",

@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 from actors.config import KVConfig  # noqa: E402
 from actors.engine import SamplingParams  # noqa: E402
 
-from actors.vllm.testing import build_model  # noqa: E402
+from common.testmodels import VLLM_CPU, build_model  # noqa: E402
 
 LOGP_TOL = 1e-4   # as in test_vllm_engine.py
 
@@ -27,7 +27,7 @@ PROMPTS = [[1, 40, 41, 42, 43], [1, 60, 61], [1, 70, 71, 72, 73, 74, 75, 76, 77]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("vllm_sliding"), seed=1)
+    return build_model(tmp_path_factory.mktemp("vllm_sliding"), seed=1, **VLLM_CPU)
 
 
 @pytest.fixture(scope="module")

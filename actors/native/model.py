@@ -3,7 +3,8 @@
 The engine owns the KV cache and the attention computation, so it can (a) store keys and values in a
 preallocated, compressible cache and (b) see attention probabilities for score-based eviction. The HF
 modules do everything else: embeddings, projections, q/k norms (Qwen3), RoPE tables, MLPs, final
-norm and LM head. ``tests/test_engine_model.py`` checks ``Decoder.forward_full`` against HF forward.
+norm and LM head. ``tests/test_engine_dense.py`` checks ``Decoder.forward_full`` against HF forward
+for every test-model family (``common/testmodels.py``).
 
 RoPE: keys are stored *after* rotation at their original absolute position, and every query is rotated
 at its own absolute position. Evicting keys therefore never renumbers positions: the relative distance
