@@ -56,7 +56,7 @@ def test_rollout_scorer_and_learner_logprobs_agree(family_dir):
         assert actor.stop_ids == (2, EOT_ID) and all(r["prompt_ids"][0] == 1 for r in rows)
         assert all(EOT_ID in r["prompt_ids"] for r in rows)
     batch = rows_to_batch(rows)
-    _, old = ScorerActor(ScorerConfig(micro_batch=2), path, t).score(batch)
+    _, old, _ = ScorerActor(ScorerConfig(micro_batch=2), path, t).score(batch)
     pad = pad_token_id(actor.tokenizer)
     tensors = to_tensors(batch, pad)
     with torch.no_grad():

@@ -90,8 +90,8 @@ def model_dir(tmp_path_factory):
     pytest.importorskip("vllm")
     from common.testmodels import VLLM_CPU, build_model
 
-    return str(build_model(tmp_path_factory.mktemp("vllm_cfg"), max_position_embeddings=1024,
-                           **VLLM_CPU))
+    return str(build_model(tmp_path_factory.mktemp("vllm_cfg"),
+                           **{**VLLM_CPU, "max_position_embeddings": 1024}))
 
 
 def _gpu(monkeypatch, gpu: bool) -> None:
