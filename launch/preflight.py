@@ -26,16 +26,21 @@ def check_model(cfg):
     return tokenizer, PromptEncoder.from_config(tokenizer, cfg.rollout, max_positions(path))
 
 
-def task_prompts(task, encoder, eval_problems: int) -> tuple[list, list, dict]:
-    """(training problems, held-out problems (the first ``eval_problems``; 0: all), counts of
-    over-long prompts per split for the metrics log and the summary)."""
+def task_prompts(task, encoder, eval_problems: int, eval_sets=()) -> tuple[list, dict, dict]:
+    """(training problems, evaluation sets {"heldout": the task's held-out problems (the first
+    ``eval_problems``; 0: all), name: problems of each ``eval_sets`` (``task.eval_sets``) entry},
+    counts of over-long prompts per split for the metrics log and the summary)."""
     train, n_train = encoder.fit(task.problems("train"), "train")
     heldout, n_held = encoder.fit(task.problems("heldout"), "heldout")
-    heldout = heldout[:eval_problems] if eval_problems else heldout
-    if n_train or n_held:
-        print(f"[prompts] {n_train} training and {n_held} held-out prompts are longer than "
-              f"{encoder.max_tokens} tokens: rollout.overlong_prompt={encoder.overlong}", flush=True)
+    evals = {"heldout": heldout[:eval_problems] if eval_problems else heldout}
+    counts = {"prompts/overlong_train": n_train, "prompts/overlong_heldout": n_held}
+    for es in eval_sets:
+        evals[es.name], counts[f"prompts/overlong_{es.name}"] = encoder.fit(
+            task.eval_set(es.name), es.name)
+    if any(counts.values()):
+        print(f"[prompts] longer than {encoder.max_tokens} tokens: {counts}; "
+              f"rollout.overlong_prompt={encoder.overlong}", flush=True)
     if n_train and not train:
         raise ConfigError("rollout.max_prompt_tokens", encoder.max_tokens,
                           f"a limit some training prompt fits: all {n_train} are longer")
-    return train, heldout, {"prompts/overlong_train": n_train, "prompts/overlong_heldout": n_held}
+    return train, evals, counts

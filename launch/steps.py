@@ -199,6 +199,13 @@ def batch_metrics(batch, learner_version: int) -> dict:
             "batch/staleness_mean": float(lag.mean()), "batch/staleness_max": int(lag.max())}
 
 
+def evaluate_sets(rollout_actors: list, sets: dict[str, list], greedy: bool) -> dict[str, float]:
+    """Accuracy on each evaluation set (``launch.preflight.task_prompts``): ``eval/accuracy`` for
+    the task's held-out problems, ``eval/<name>/accuracy`` for each of ``task.eval_sets``."""
+    return {("eval/accuracy" if name == "heldout" else f"eval/{name}/accuracy"):
+            evaluate(rollout_actors, problems, greedy) for name, problems in sets.items()}
+
+
 def evaluate(rollout_actors: list, problems: list, greedy: bool) -> float:
     """Held-out accuracy over all actors (weighted by how many problems each scored)."""
     import ray

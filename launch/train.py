@@ -36,7 +36,7 @@ def main(argv: list[str]) -> dict:
     # 2. The task: training prompts in a seeded order, a fixed held-out slice for evaluation;
     # prompts longer than rollout.max_prompt_tokens are dropped, truncated or refused, and counted.
     task = make_task(cfg.task)
-    train, heldout, overlong = task_prompts(task, encoder, cfg.run.eval_problems)
+    train, evals, overlong = task_prompts(task, encoder, cfg.run.eval_problems, cfg.task.eval_sets)
 
     # A fresh folder per run, so a second run never mixes with (or deletes) an earlier one's files.
     run_dir = Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -46,8 +46,8 @@ def main(argv: list[str]) -> dict:
     from buffer.tensors import to_tensors
     from cluster.pools import broadcast_weights, build_pools, connect_weight_sync, on_learners
     from cluster.ray_setup import start_ray
-    from launch.steps import (MetricsLog, PromptSampler, batch_metrics, evaluate, fill_rollouts,
-                              gather_rollouts, land_rollouts, score_pending, sync_weights)
+    from launch.steps import (MetricsLog, PromptSampler, batch_metrics, evaluate_sets,
+                              fill_rollouts, gather_rollouts, land_rollouts, score_pending, sync_weights)
     from learner.batch import prepare_batch, reduce_metrics, shard_batch
 
     t_start = time.time()
@@ -70,9 +70,10 @@ def main(argv: list[str]) -> dict:
     # 5. Held-out accuracy before RL (a resumed run keeps the first run's).
     acc_before = state.get("accuracy_before")
     if acc_before is None:
-        acc_before = evaluate(pools.rollout, heldout, cfg.run.eval_greedy)
-        print(f"[eval] step 0: held-out accuracy {acc_before:.3f} on {len(heldout)} problems")
-        log.write({"step": 0, "eval/accuracy": acc_before})
+        before = evaluate_sets(pools.rollout, evals, cfg.run.eval_greedy)  # + task.eval_sets
+        acc_before = before["eval/accuracy"]
+        print(f"[eval] step 0: {before} ({len(evals['heldout'])} held-out problems)")
+        log.write({"step": 0, **before})
 
     # 6. RL steps. sync: generate, then train. async: the next rollouts start as soon as the current
     # batch is in, overlapping scoring and the learner step; with run.rollouts_ahead=s, s batches
@@ -120,7 +121,7 @@ def main(argv: list[str]) -> dict:
                   "time/rollout_wait_s": t_roll, "time/step_s": time.time() - t0, **sync,
                   **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
         if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < cfg.run.steps:
-            record["eval/accuracy"] = evaluate(pools.rollout, heldout, cfg.run.eval_greedy)
+            record.update(evaluate_sets(pools.rollout, evals, cfg.run.eval_greedy))
         show = ("step", "reward", "response_len", "kept_ratio", "loss", "eval/accuracy", "time/step_s")
         log.write(record, show=show if step % cfg.run.log_every == 0 else ())
         log.trained(step, version, trained)
@@ -137,11 +138,13 @@ def main(argv: list[str]) -> dict:
             return {"stopped": stop.signal, "step": step, "version": version, "checkpoint": str(ckpt)}
 
     # 7. Held-out accuracy after RL, the trained model in HF format, and the summary.
-    acc_after = evaluate(pools.rollout, heldout, cfg.run.eval_greedy)
-    log.write({"step": cfg.run.steps, "eval/accuracy": acc_after})
+    after = evaluate_sets(pools.rollout, evals, cfg.run.eval_greedy)
+    acc_after = after["eval/accuracy"]
+    log.write({"step": cfg.run.steps, **after})
     on_learners(pools, "save_hf", str(run_dir / "final"))
     summary = {"steps": cfg.run.steps, "version": version, "time_s": round(time.time() - t_start, 1),
-               "accuracy_before": acc_before, "accuracy_after": acc_after, "run_dir": str(run_dir),
+               "accuracy_before": acc_before, "accuracy_after": acc_after, "eval_after": after,
+               "run_dir": str(run_dir),
                **overlong}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     log.close()

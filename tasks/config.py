@@ -6,7 +6,7 @@ unions beyond what OmegaConf supports. ``validate()`` names the dotted key of an
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.errors import ConfigError
 from common.validate import check_enum, check_range
@@ -34,6 +34,38 @@ class AnswerFormat(str, enum.Enum):
 
 
 @dataclass
+class EvalSetConfig:
+    """A held-out dataset evaluated beside the task's own held-out problems (dataset tasks: the
+    same math-verify reward), e.g. MATH-500 and GSM8K. Its accuracy
+    is logged as ``eval/<name>/accuracy`` before RL, every ``run.eval_every`` steps and after."""
+    name: str = ""
+    path: str = ""                # JSONL or Parquet (``task.format``)
+    prompt_field: str = "prompt"
+    answer_field: str = "label"
+    answer_format: AnswerFormat = AnswerFormat.plain
+    # its own, since its raw rows may not look like the training file's (e.g. chat-formatted)
+    prompt_template: str = "{prompt}"
+    n: int = 0                    # its first n rows (0: all)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.answer_format, str) and not isinstance(self.answer_format, AnswerFormat):
+            self.answer_format = check_enum("task.eval_sets.answer_format", AnswerFormat,
+                                            self.answer_format)
+
+    def validate(self, prefix: str) -> None:
+        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"{prefix}.name", self.name, "a name of letters, digits, '-', '_'")
+        for key in ("path", "prompt_field", "answer_field"):
+            if not getattr(self, key):
+                raise ConfigError(f"{prefix}.{key}", getattr(self, key), "a non-empty value")
+        check_enum(f"{prefix}.answer_format", AnswerFormat, self.answer_format)
+        if "{prompt}" not in self.prompt_template:
+            raise ConfigError(f"{prefix}.prompt_template", self.prompt_template,
+                              "a string containing '{prompt}'")
+        check_range(f"{prefix}.n", self.n, 0)
+
+
+@dataclass
 class TaskConfig:
     name: TaskName = TaskName.running_sum
     seed: int = 0                 # problems and the train/held-out split are a function of this
@@ -53,6 +85,7 @@ class TaskConfig:
     # Applied to the raw prompt field; "{prompt}" keeps it as is (e.g. already chat-formatted).
     prompt_template: str = "{prompt}"
     skip_malformed: bool = False  # False: a malformed row stops with file:line; True: skip and count
+    eval_sets: list[EvalSetConfig] = field(default_factory=list)   # dataset tasks only
 
     def __post_init__(self) -> None:
         # Plain-Python callers (tests, scripts) may pass enum values as strings, as YAML does.
@@ -81,3 +114,11 @@ class TaskConfig:
                                   "a string containing '{prompt}'")
         elif self.n_train + self.n_heldout == 0:
             raise ConfigError(k + "n_train", self.n_train, "n_train + n_heldout > 0")
+        if self.eval_sets and self.name is not TaskName.dataset:
+            raise ConfigError(k + "eval_sets", [e.name for e in self.eval_sets],
+                              "empty unless task.name=dataset (their rewards are math-verify's)")
+        for i, e in enumerate(self.eval_sets):
+            e.validate(f"{k}eval_sets.{i}")
+        names = [e.name for e in self.eval_sets]
+        if len(set(names)) != len(names) or "heldout" in names:
+            raise ConfigError(k + "eval_sets", names, "distinct names other than 'heldout'")

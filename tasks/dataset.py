@@ -65,11 +65,12 @@ def parse_row(row: object, cfg: TaskConfig, path: Path, line: int) -> tuple[str,
         v = row[field]
         if isinstance(v, bool) or not isinstance(v, (str, int, float)):
             raise DataError(str(path), f"field {field!r} is {type(v).__name__}, expected text", line)
-        v = str(v).strip()
-        if not v:
+        v = str(v)
+        if not v.strip():
             raise DataError(str(path), f"field {field!r} is empty", line)
         values.append(v)
-    prompt, answer = values
+    # the prompt keeps its whitespace: a chat-formatted one ends with the assistant turn's newline
+    prompt, answer = values[0], values[1].strip()
     if cfg.answer_format is AnswerFormat.gsm8k:
         extracted = gsm8k_answer(answer)
         if extracted is None:
@@ -93,7 +94,8 @@ class DatasetTask:
         """All (prompt, answer) pairs of a file, in file order."""
         path = Path(path)
         if not path.is_file():
-            raise DataError(str(path), "no such file (task.path / task.heldout_path)")
+            raise DataError(str(path), "no such file (task.path / task.heldout_path / "
+                                       "task.eval_sets)")
         fmt = detect_format(path, self.cfg.format)
         out = []
         for line, row in iter_rows(path, fmt):
@@ -125,6 +127,19 @@ class DatasetTask:
         train = rows[: cfg.n_train] if cfg.n_train else rows
         return {split: [Problem(i, p, a) for i, (p, a) in enumerate(items)]
                 for split, items in (("train", train), ("heldout", held))}
+
+    def eval_set(self, name: str) -> list[Problem]:
+        """The problems of ``task.eval_sets`` entry ``name``: its file read with its own fields,
+        answer format and prompt template (this task's file format and malformed-row rule)."""
+        import dataclasses
+
+        (es,) = [e for e in self.cfg.eval_sets if e.name == name]
+        cfg = dataclasses.replace(self.cfg, prompt_field=es.prompt_field,
+                                  answer_field=es.answer_field, answer_format=es.answer_format,
+                                  prompt_template=es.prompt_template)
+        rows = DatasetTask(cfg).load_file(es.path)
+        rows = rows[: es.n] if es.n else rows
+        return [Problem(i, p, a) for i, (p, a) in enumerate(rows)]
 
     def problems(self, split: str) -> list[Problem]:
         if split not in ("train", "heldout"):

@@ -162,3 +162,48 @@ def test_separate_heldout_file(tmp_path):
     t = make_task(_cfg(train, heldout_path=str(held), n_heldout=3, n_train=0))
     assert [p.prompt for p in t.problems("train")] == [f"t{i}" for i in range(5)]
     assert [p.prompt for p in t.problems("heldout")] == ["h0", "h1", "h2"]
+
+
+def test_eval_sets_read_their_own_fields_format_and_template(tmp_path):
+    """task.eval_sets: extra held-out files (MATH-500, GSM8K) with their own fields, answer format
+    and prompt template, counted by the prompt-length rule like the task's own splits."""
+    import json
+
+    from common.errors import ConfigError
+    from launch.preflight import task_prompts
+    from tasks.config import EvalSetConfig
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"q{i}\n", "label": str(i)}) + "\n"
+                             for i in range(6)))
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text(json.dumps({"question": "two plus two", "answer": "2+2=4\n#### 4"}) + "\n" +
+                   json.dumps({"question": "x" * 50, "answer": "#### 7"}) + "\n")
+    es = EvalSetConfig(name="gsm8k", path=str(gsm), prompt_field="question", answer_field="answer",
+                       answer_format="gsm8k", prompt_template="Q: {prompt} A:")
+    task = make_task(TaskConfig(name="dataset", path=str(train), n_heldout=2, eval_sets=[es]))
+    assert task.problems("train")[0].prompt.endswith("\n")   # prompts keep their whitespace
+    got = task.eval_set("gsm8k")
+    assert [(p.prompt[:17], p.answer) for p in got] == [("Q: two plus two A", "4"), ("Q: " + "x" * 14, "7")]
+
+    class Encoder:   # the length rule: prompts over 20 characters are dropped and counted
+        max_tokens, overlong = 20, "drop"
+
+        def fit(self, problems, split):
+            keep = [p for p in problems if len(p.prompt) <= 20]
+            return keep, len(problems) - len(keep)
+
+    _, evals, counts = task_prompts(task, Encoder(), 0, [es])
+    assert set(evals) == {"heldout", "gsm8k"} and len(evals["gsm8k"]) == 1
+    assert counts["prompts/overlong_gsm8k"] == 1
+    for bad, key in (({"eval_sets": [es]}, "task.eval_sets"),):   # synthetic tasks: no eval sets
+        with pytest.raises(ConfigError) as e:
+            make_task(TaskConfig(**bad))
+        assert e.value.key == key
+    with pytest.raises(ConfigError) as e:
+        make_task(TaskConfig(name="dataset", path=str(train), eval_sets=[es, es]))
+    assert e.value.key == "task.eval_sets"
+    with pytest.raises(ConfigError) as e:
+        make_task(TaskConfig(name="dataset", path=str(train),
+                             eval_sets=[EvalSetConfig(name="m", path="p", prompt_template="x")]))
+    assert e.value.key == "task.eval_sets.0.prompt_template"

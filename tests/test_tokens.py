@@ -133,7 +133,7 @@ def test_preflight_checks_the_model_and_counts_prompts(dirs):
             return [Problem(i, "x" * (3 + 4 * i), "") for i in range(4)]
 
     train, held, counts = task_prompts(Task(), tokens.PromptEncoder(tok, None, 10, "drop"), 1)
-    assert [p.idx for p in train] == [0, 1] and [p.idx for p in held] == [0]
+    assert [p.idx for p in train] == [0, 1] and [p.idx for p in held["heldout"]] == [0]
     assert counts == {"prompts/overlong_train": 2, "prompts/overlong_heldout": 2}
     with pytest.raises(ConfigError, match="rollout.max_prompt_tokens"):
         task_prompts(Task(), tokens.PromptEncoder(tok, None, 2, "drop"), 0)
