@@ -243,6 +243,19 @@ class MetricsLog:
         self._f.close()
         self._trained.close()
 
+    def summary(self, summary: dict) -> None:
+        """The run's ``summary.json``, its closing lines on stdout (the last one is
+        ``held-out accuracy: A -> B``), and close the logs."""
+        (self.path.parent / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.close()
+        print(f"steps: {summary['steps']} (policy version {summary['version']})")
+        print(f"time: {summary['time_s']:.0f} s; metrics: {self.path}")
+        for name, acc in summary.get("eval_after", {}).items():
+            if name != "eval/accuracy":
+                print(f"{name}: {acc:.3f}")
+        print(f"held-out accuracy: {summary['accuracy_before']:.2f} -> "
+              f"{summary['accuracy_after']:.2f}")
+
 
 def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)

@@ -12,9 +12,8 @@ Checkpoints (every run.checkpoint_every steps, after the last, on SIGTERM) resum
 """
 from __future__ import annotations
 
-import json
-from collections import deque
 import sys
+from collections import deque
 import time
 from pathlib import Path
 
@@ -46,8 +45,8 @@ def main(argv: list[str]) -> dict:
     from buffer.tensors import to_tensors
     from cluster.pools import broadcast_weights, build_pools, connect_weight_sync, on_learners
     from cluster.ray_setup import start_ray
-    from launch.steps import (MetricsLog, PromptSampler, batch_metrics, evaluate_sets,
-                              fill_rollouts, gather_rollouts, land_rollouts, score_pending, sync_weights)
+    from launch.steps import (MetricsLog, PromptSampler, batch_metrics, evaluate_sets, fill_rollouts,
+                              gather_rollouts, land_rollouts, score_pending, sync_weights)
     from learner.batch import prepare_batch, reduce_metrics, shard_batch
 
     t_start = time.time()
@@ -144,14 +143,9 @@ def main(argv: list[str]) -> dict:
     on_learners(pools, "save_hf", str(run_dir / "final"))
     summary = {"steps": cfg.run.steps, "version": version, "time_s": round(time.time() - t_start, 1),
                "accuracy_before": acc_before, "accuracy_after": acc_after, "eval_after": after,
-               "run_dir": str(run_dir),
-               **overlong}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    log.close()
+               "run_dir": str(run_dir), **overlong}
+    log.summary(summary)
     ray.shutdown()
-    print(f"steps: {summary['steps']} (policy version {version})")
-    print(f"time: {summary['time_s']:.0f} s; metrics: {log.path}")
-    print(f"held-out accuracy: {acc_before:.2f} -> {acc_after:.2f}")
     return summary
 
 
