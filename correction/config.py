@@ -80,11 +80,18 @@ def _bounds(prefix: str, lower: float, upper: float, upper_min: float = 1.0) -> 
 @dataclass
 class ISConfig:
     """Importance weights of the ``sparse_rl`` method (``correction.is_``)."""
+    # false: unit weights, rejection alone corrects (verl's rollout_is: null with rollout_rs set)
+    enabled: bool = True
     level: ISLevel = ISLevel.TOKEN
     mode: ISMode = ISMode.TRUNCATE
     lower: float = 0.0        # clip / mask only
     upper: float = 1.5        # the cap U (paper: 1.5)
-    normalize: bool = True    # rescale to mean 1 over the batch (see normalize_over)
+    # rescale to mean 1 over the batch (see normalize_over): over tokens at level token, over
+    # sequences (each sequence's mean weight once) at level sequence / geometric, as the
+    # reference code's tis_batch_normalize does
+    normalize: bool = True
+    # kept (ours: the weights entering the loss average exactly 1) or valid (the reference code:
+    # every valid token before rejection; the paper presets use it)
     normalize_over: NormalizeOver = NormalizeOver.KEPT
 
     def validate(self, prefix: str = "correction.is_") -> None:
@@ -98,11 +105,15 @@ class ISConfig:
 class RejectionConfig:
     """Sparsity-aware rejection of the ``sparse_rl`` method (``correction.rejection``)."""
     enabled: bool = True
-    lower: float = 0.5              # tokens with rho_t < lower leave the loss mask
-    upper: float = 1.5              # tokens with rho_t > upper leave the loss mask
+    # the ratio the band is applied to: token (rho_t, rejects tokens), sequence (prod_t rho_t) or
+    # geometric (exp mean_t log rho_t): the last two reject whole sequences (reference: rs_level)
+    level: ISLevel = ISLevel.TOKEN
+    lower: float = 0.5              # ratios < lower leave the loss mask
+    upper: float = 1.5              # ratios > upper leave the loss mask
     veto_threshold: float = 1e-4    # a token with rho_t < this removes its whole sequence
 
     def validate(self, prefix: str = "correction.rejection") -> None:
+        _enum(f"{prefix}.level", ISLevel, self.level)
         _bounds(prefix, self.lower, self.upper)
         check_range(f"{prefix}.veto_threshold", self.veto_threshold, lo=0.0, hi=1.0)
 

@@ -13,18 +13,23 @@ masks) use the unclamped log-ratio.
 ``correct`` dispatches on ``CorrectionMethod`` to one function per method:
 
 sparse_rl (default; Sparse-RL: sparsity-aware rejection sampling + importance reweighting)
-    1. weights per ``cfg.is_``: level token  w_t = rho_t;  sequence  w_t = prod_{s in i} rho_s;
+    1. weights per ``cfg.is_`` (``is_.enabled = false``: w_t = 1): level token  w_t = rho_t;  sequence  w_t = prod_{s in i} rho_s;
        geometric  w_t = exp(mean_{s in i} log rho_s); then mode truncate  min(w, U);
-       clip  clamp(w, L, U);  mask  w * 1[L <= w <= U]  (defaults: token, truncate, U = 1.5).
-    2. rejection per ``cfg.rejection``: token t leaves the loss mask if rho_t not in
-       [0.5, 1.5]; sequence i is vetoed (all its tokens leave the mask) if any
+       clip  clamp(w, L, U);  mask: tokens with w outside [L, U] leave the loss mask (and its
+       denominator), as the reference's tis_mode=mask (defaults: token, truncate, U = 1.5).
+    2. rejection per ``cfg.rejection``: at level token, token t leaves the loss mask if rho_t
+       not in [0.5, 1.5]; at level sequence / geometric the band applies to prod_t rho_t /
+       exp(mean_t log rho_t) and a sequence outside it leaves whole (the reference's rs_level);
+       at every level sequence i is vetoed (all its tokens leave the mask) if any raw
        rho_t < 1e-4. Rejected tokens leave the loss denominator too (``loss_mask`` = 0).
-    3. normalisation (``is_.normalize``): w <- w / mean_S(w) over the batch's tokens S, by
-       default (``is_.normalize_over = kept``) the tokens left after rejection, so the weights
-       entering the loss average exactly 1. ``valid`` divides by the mean over every valid token
-       before rejection instead, as the public Sparse-RL code (slime's MIS helper) does; the
-       kept weights then average about, not exactly, 1. Normalisation is token-weighted at every
-       level (a sequence-level weight counts once per token).
+    3. normalisation (``is_.normalize``): w <- w / m, at level token m = mean_S(w) over the
+       batch's tokens S; at level sequence / geometric m = the mean over the batch's sequences of
+       each sequence's mean weight over its tokens in S (each sequence counts once, as slime's
+       ``compute_mis_weights`` does). S by default (``is_.normalize_over = kept``) is the tokens
+       left after rejection, so the weights entering the loss average exactly 1 (token level).
+       ``valid`` takes every valid token before rejection instead, as the public Sparse-RL code
+       does (with mode mask, their out-of-band weights count there too, as in the reference);
+       the kept weights then average about, not exactly, 1.
 none          w_t = 1, nothing rejected.
 tis           w_t = min(rho_t, tis.cap) (cap 2.0; truncated IS, Yao et al. 2025), nothing rejected.
 icepop        w_t = rho_t * 1[icepop.lower <= rho_t <= icepop.upper] (masked IS, IcePop); masked
@@ -71,6 +76,7 @@ class MethodOutput:
     vetoed: Tensor              # [B] sequences removed as a whole
     normalize: bool = False     # rescale to mean 1 over kept tokens
     normalize_over_valid: bool = False   # ... over all valid tokens (pre-rejection) instead
+    normalize_per_sequence: bool = False  # ... each sequence's mean weight counted once
 
 
 def log_ratio(sampler_logp: Tensor, old_logp: Tensor, valid: Tensor) -> Tensor:
@@ -125,12 +131,14 @@ def rejection_mask(lr: Tensor, valid: Tensor,
                    cfg: RejectionConfig) -> tuple[Tensor, Tensor, Tensor]:
     """Sparsity-aware rejection: returns (keep [B,T], rejected [B,T], vetoed [B]).
 
-    rejected_t = rho_t < lower or rho_t > upper (bounds inclusive: rho_t = upper is kept);
+    rejected_t = r_t < lower or r_t > upper (bounds inclusive: r_t = upper is kept), r the ratio
+    at ``cfg.level`` (rho_t, or its sequence's product / geometric mean on every token of it);
     vetoed_i   = any valid t in i with rho_t < veto_threshold; keep = valid & ~rejected & ~vetoed.
     """
     if not cfg.enabled:
         return valid.clone(), torch.zeros_like(valid), torch.zeros_like(valid.any(dim=1))
-    rejected = valid & ((lr < math.log(cfg.lower)) | (lr > math.log(cfg.upper)))
+    level_lr = level_log_weights(lr, valid, cfg.level)   # token: lr itself; else per sequence
+    rejected = valid & ((level_lr < math.log(cfg.lower)) | (level_lr > math.log(cfg.upper)))
     if cfg.veto_threshold > 0:
         vetoed = (valid & (lr < math.log(cfg.veto_threshold))).any(dim=1)
     else:
@@ -139,12 +147,19 @@ def rejection_mask(lr: Tensor, valid: Tensor,
     return keep, rejected, vetoed
 
 
-def normalize_weights(weights: Tensor, keep: Tensor,
-                      over: Tensor | None = None) -> tuple[Tensor, float]:
+def normalize_weights(weights: Tensor, keep: Tensor, over: Tensor | None = None,
+                      per_sequence: bool = False) -> tuple[Tensor, float]:
     """w / mean_over(w) (``over`` defaults to ``keep``), zeroed off ``keep``; so with the default
-    the kept weights average 1. Unchanged if that mean is 0 (nothing kept or every weight
-    masked). Returns (weights, scale applied)."""
-    mean = masked_mean(weights, keep if over is None else over)
+    the kept weights average 1. ``per_sequence``: the mean is over the sequences with a token in
+    ``over`` of each one's mean weight there (each sequence counts once). Unchanged if that mean
+    is 0 (nothing kept or every weight masked). Returns (weights, scale applied)."""
+    over = keep if over is None else over
+    if per_sequence:
+        has = over.any(dim=1)
+        seq_mean = masked_sum(weights, over, dim=1) / over.sum(dim=1).clamp(min=1)
+        mean = masked_mean(seq_mean, has)
+    else:
+        mean = masked_mean(weights, over)
     if float(mean) <= 0.0:
         return zero_outside(weights, keep), 1.0
     return zero_outside(weights / mean, keep), float(1.0 / mean)
@@ -158,11 +173,22 @@ def _none_false(valid: Tensor) -> tuple[Tensor, Tensor]:
 
 def method_sparse_rl(lr: Tensor, valid: Tensor, cfg: CorrectionConfig) -> MethodOutput:
     """Sparse-RL: IS weights per ``cfg.is_`` + rejection/veto per ``cfg.rejection``."""
-    w, truncated, masked = importance_weights(lr, valid, cfg.is_, cfg.log_ratio_clamp)
     keep, rejected, vetoed = rejection_mask(lr, valid, cfg.rejection)
+    if not cfg.is_.enabled:  # rejection alone
+        no_tok = torch.zeros_like(valid)
+        return MethodOutput(valid.to(lr.dtype), keep, no_tok, no_tok, rejected, vetoed)
+    w, truncated, masked = importance_weights(lr, valid, cfg.is_, cfg.log_ratio_clamp)
+    if ISMode(cfg.is_.mode) == ISMode.MASK:
+        # out of band: out of the loss mask; the weight keeps its (safety-bounded) value, which
+        # only a normalisation over valid tokens sees, as in the reference
+        keep = keep & ~masked
+        raw = torch.exp(level_log_weights(lr, valid, cfg.is_.level)
+                        .clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))
+        w = torch.where(masked, raw, w)
     return MethodOutput(w, keep, truncated, masked, rejected, vetoed, normalize=cfg.is_.normalize,
                         normalize_over_valid=NormalizeOver(cfg.is_.normalize_over)
-                        == NormalizeOver.VALID)
+                        == NormalizeOver.VALID,
+                        normalize_per_sequence=ISLevel(cfg.is_.level) != ISLevel.TOKEN)
 
 
 def method_none(lr: Tensor, valid: Tensor, cfg: CorrectionConfig) -> MethodOutput:
@@ -230,7 +256,8 @@ def finish(out: MethodOutput, valid: Tensor, dtype: torch.dtype,
     scale = 1.0
     if out.normalize:
         over = valid if out.normalize_over_valid else keep
-        weights, scale = normalize_weights(zero_outside(out.weights, valid), keep, over)
+        weights, scale = normalize_weights(zero_outside(out.weights, valid), keep, over,
+                                           out.normalize_per_sequence)
     else:
         weights = zero_outside(out.weights, keep)
     weights = weights.detach().to(dtype)

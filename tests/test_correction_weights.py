@@ -55,8 +55,11 @@ M_ALL = [[1, 1, 1, 1], [1, 1, 0, 0]]
     (ISMode.MASK, 0.5, 1.5, [[1.0, 0.0, 0.0, 1.2], [0.6, 0.0, 0, 0]]),
 ])
 def test_token_level_modes(mode, lower, upper, weights):
+    """mask: out-of-band tokens leave the loss mask (and its denominator), as the reference's
+    tis_mode=mask does."""
     r = correct(*batch(), sparse(ISLevel.TOKEN, mode, lower, upper))
-    expect(r, weights, M_ALL)
+    keep = [[1, 0, 0, 1], [1, 0, 0, 0]] if mode == ISMode.MASK else M_ALL
+    expect(r, weights, keep)
 
 
 @pytest.mark.parametrize("mode,lower,upper,w0,w1", [
@@ -68,7 +71,8 @@ def test_token_level_modes(mode, lower, upper, weights):
 ])
 def test_sequence_level_modes(mode, lower, upper, w0, w1):
     r = correct(*batch(), sparse(ISLevel.SEQUENCE, mode, lower, upper))
-    expect(r, [[w0] * 4, [w1, w1, 0, 0]], M_ALL)
+    keep = [[0, 0, 0, 0], [1, 1, 0, 0]] if mode == ISMode.MASK else M_ALL   # row 0: 0.6 < 0.7
+    expect(r, [[w0] * 4, [w1, w1, 0, 0]], keep)
 
 
 @pytest.mark.parametrize("mode,lower,upper", [
@@ -83,7 +87,8 @@ def test_geometric_level_modes(mode, lower, upper):
             return min(max(g, lower), upper)
         return g if lower <= g <= upper else 0.0
     r = correct(*batch(), sparse(ISLevel.GEOMETRIC, mode, lower, upper))
-    expect(r, [[bound(g0)] * 4, [bound(g1), bound(g1), 0, 0]], M_ALL)
+    keep = [[0, 0, 0, 0], [1, 1, 0, 0]] if mode == ISMode.MASK else M_ALL   # row 0: 0.88 < 0.9
+    expect(r, [[bound(g0)] * 4, [bound(g1), bound(g1), 0, 0]], keep)
 
 
 def test_sparse_rl_default_recipe():
@@ -238,3 +243,55 @@ def test_bfloat16_inputs_promote_to_float32():
     s, o, m = batch()
     r = correct(s.bfloat16(), o.bfloat16(), m, CorrectionConfig())
     assert r.weights.dtype == torch.float32 and r.loss_mask.dtype == torch.float32
+
+
+# ---- the reference's options (slime's compute_mis_weights) ----------------------------------------
+
+def test_sequence_level_weights_are_normalised_per_sequence():
+    """tis_level=sequence + tis_batch_normalize: the mean over sequences of each sequence's weight
+    (0.6 and 0.96 -> 0.78), not the token-weighted mean (0.72)."""
+    cfg = sparse(ISLevel.SEQUENCE, ISMode.TRUNCATE, 0.0, 1.5, normalize=True)
+    for over in (NormalizeOver.KEPT, NormalizeOver.VALID):   # nothing rejected: the same
+        cfg.is_.normalize_over = over
+        r = correct(*batch(), cfg)
+        expect(r, [[0.6 / 0.78] * 4, [0.96 / 0.78] * 2 + [0, 0]], M_ALL)
+        assert r.metrics["correction/norm_scale"] == pytest.approx(1 / 0.78)
+
+
+def test_geometric_rejection_band_with_the_token_veto():
+    """rs_level=geometric: a sequence whose geometric-mean ratio is outside the band leaves whole;
+    single tokens outside [lower, upper] no longer matter; the veto still reads raw token ratios."""
+    rho = [[1.0, 2.0, 0.25, 1.2],    # geometric mean 0.88: outside [0.9, 1.1] -> rejected
+           [0.6, 1.6, None, None],   # 0.98: kept, although 0.6 and 1.6 are outside [0.9, 1.1]
+           [1e-5, 1e5, 1.0, 1.0]]    # 1.0: inside the band, but 1e-5 < veto 1e-4 -> vetoed
+    cfg = sparse(ISLevel.TOKEN, ISMode.TRUNCATE, 0.0, 1.5)
+    cfg.rejection = RejectionConfig(level=ISLevel.GEOMETRIC, lower=0.9, upper=1.1,
+                                    veto_threshold=1e-4)
+    r = correct(*batch(rho), cfg)
+    expect(r, [[0] * 4, [0.6, 1.5, 0, 0], [0] * 4], [[0] * 4, [1, 1, 0, 0], [0] * 4])
+    assert r.metrics["correction/frac_vetoed"] == pytest.approx(1 / 3)
+    assert r.metrics["correction/frac_rejected"] == pytest.approx(4 / 10)
+    cfg.rejection.lower = 0.97                    # row 1: geometric 0.98 in, product 0.96 out
+    assert correct(*batch(rho), cfg).loss_mask[1].sum() == 2
+    cfg.rejection.level = ISLevel.SEQUENCE
+    assert correct(*batch(rho), cfg).loss_mask.sum() == 0
+
+
+def test_mask_mode_normalised_over_valid_counts_out_of_band_weights():
+    """tis_mode=mask + normalisation over valid tokens: out-of-band tokens (2.0, 0.25, 1.6) leave
+    the loss mask but their weights stay in the batch mean, as in the reference:
+    mean = (1 + 2 + 0.25 + 1.2 + 0.6 + 1.6) / 6."""
+    cfg = sparse(ISLevel.TOKEN, ISMode.MASK, 0.5, 1.5, normalize=True)
+    cfg.is_.normalize_over = NormalizeOver.VALID
+    r = correct(*batch(), cfg)
+    m = 6.65 / 6
+    expect(r, [[1 / m, 0, 0, 1.2 / m], [0.6 / m, 0, 0, 0]], [[1, 0, 0, 1], [1, 0, 0, 0]])
+    assert r.metrics["correction/frac_masked"] == pytest.approx(3 / 6)
+
+
+def test_rejection_alone_with_unit_weights():
+    """is_.enabled=false (verl's rollout_is: null + rollout_rs): weights 1, the band still rejects."""
+    cfg = CorrectionConfig()
+    cfg.is_.enabled = False
+    r = correct(*batch(), cfg)
+    expect(r, [[1, 0, 0, 1], [1, 0, 0, 0]], [[1, 0, 0, 1], [1, 0, 0, 0]])
