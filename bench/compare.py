@@ -15,7 +15,8 @@ with a dense cache (``acc_dense_decode``) and with R-KV at the row's budget (``a
 the paper's claim that sparse training makes the model robust to sparse inference, measured for
 the dense-trained model too; the base model the same way (``acc_base``, ``acc_base_sparse``).
 ``kv_bytes_vs_dense``: peak KV bytes per sequence of the arm's rollout policy over a dense cache on
-those problems; ``rollout_s_vs_dense``: mean rollout wait per step over the dense arm's, same seed.
+those problems; ``rollout_s_vs_dense``: engine seconds generating a step's rollouts
+(``time/rollout_gen_s``), mean over steps, over the dense arm's with the same seed.
 
 Writes ``<out>/compare-<time>/``: ``compare.json`` (rows + missing arms + command + wall time),
 ``compare.md`` (mean and spread over seeds), ``compare.png`` (accuracy curves, final accuracies)
@@ -35,8 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script: the repo's packages, not bench/'s neighbours
-    sys.path.insert(0, str(REPO))
+# Run as a script, bench/ leads sys.path and `import buffer` (launch.config's) would find
+# bench/buffer.py: drop that folder, put the repo first.
+_HERE = str(Path(__file__).resolve().parent)
+sys.path[:] = [str(REPO)] + [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 from bench.compare_eval import aggregate, decode_accuracy, markdown, plot, run_stats  # noqa: E402
 
@@ -100,7 +103,7 @@ def plan(arms, budgets: list[int], seeds: list[int]) -> tuple[list[dict], list[d
 
 def train(job: dict, common: list[str], runs_dir: Path, log_dir: Path) -> dict:
     """One ``launch/train.py`` run; returns the job with ``run_dir`` (None on failure) and ``rc``."""
-    name = f"{job['arm']}-b{job['budget'] or 'all'}-s{job['seed']}"
+    name = f"{job['arm']}{'-b' + str(job['budget']) if job['budget'] else ''}-s{job['seed']}"
     seed = job["seed"]
     args = [sys.executable, str(REPO / "launch/train.py"), *common, *job["overrides"],
             f"run.seed={seed}", f"rollout.seed={seed}", f"learner.seed={seed}",

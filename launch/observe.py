@@ -109,5 +109,9 @@ def _start_wandb(run_dir: Path, name: str, config: dict | None):
     """A wandb run in ``run_dir``; wandb is optional (never in the lock), so the config check
     (``RunConfig.validate``) has already refused ``run.wandb=true`` when it is not installed."""
     import wandb
+    import yaml
 
+    cfg_file = run_dir / "config.yaml"  # train.py writes it before the log starts
+    if config is None and cfg_file.is_file():
+        config = yaml.safe_load(cfg_file.read_text())
     return wandb.init(project="sparse-rl", name=name, dir=str(run_dir), config=config or {})

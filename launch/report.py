@@ -24,7 +24,7 @@ PANELS = [
     ("rejected (-) / vetoed (--) fraction", [("correction/frac_rejected", "-"),
                                              ("correction/frac_vetoed", "--")]),
     ("KV kept vs dense (kept_ratio)", [("kept_ratio", "-")]),
-    ("rollout tokens/s", [("rollout/tokens_per_s", "-")]),
+    ("rollout tokens/s (per actor, engine time)", [("rollout/tokens_per_s", "-")]),
     ("staleness (mean lag, versions)", [("batch/staleness_mean", "-")]),
     ("buffer depth (live rows)", [("buffer/live_rows", "-")]),
 ]

@@ -184,9 +184,12 @@ def sync_weights(pools, cfg) -> tuple[int, dict]:
         return broadcast_weights(pools)
 
 
-def batch_metrics(batch, learner_version: int, rollout_s: float | None = None) -> dict:
+def batch_metrics(batch, learner_version: int) -> dict:
     """Reward, lengths, kept ratio and staleness of a training batch; checks log-prob lengths.
-    With ``rollout_s`` (the driver's wait for the batch) also ``rollout/tokens_per_s``."""
+    ``time/rollout_gen_s``: engine seconds that generated the batch, summed over rollout actors
+    (each row carries its share of its engine call); ``rollout/tokens_per_s``: response tokens per
+    engine second, i.e. one actor's generation throughput. (The driver's wait for a batch is no
+    measure of either: in sync mode the rollouts run while the previous step logs and evaluates.)"""
     import pyarrow.compute as pc
 
     lengths_ok = all(pc.all(pc.equal(pc.list_value_length(batch.column(c)),
@@ -199,9 +202,9 @@ def batch_metrics(batch, learner_version: int, rollout_s: float | None = None) -
             "batch/logprob_lengths_match": lengths_ok,
             "batch/staleness_mean": float(lag.mean()), "batch/staleness_max": int(lag.max())}
     tokens = int(pc.sum(batch.column("response_len")).as_py() or 0)
-    out["batch/response_tokens"] = tokens
-    if rollout_s:
-        out["rollout/tokens_per_s"] = tokens / rollout_s
+    gen_s = float(pc.sum(batch.column("gen_time_s")).as_py() or 0.0)
+    out.update({"batch/response_tokens": tokens, "time/rollout_gen_s": gen_s,
+                "rollout/tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0})
     return out
 
 

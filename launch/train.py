@@ -119,7 +119,7 @@ def main(argv: list[str]) -> dict:
             fill_rollouts(in_flight, pools, sampler, version, cfg.run.steps)
 
         # 6f. Metrics: reward, mismatch and correction statistics, timings.
-        record = {"step": step, "version": version, **batch_metrics(batch, version, t_roll),
+        record = {"step": step, "version": version, **batch_metrics(batch, version),
                   "time/rollout_wait_s": t_roll, "time/step_s": time.time() - t0, **sync,
                   **buffer_depth(pools),
                   **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
