@@ -156,7 +156,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--budgets", default=None, help="KV budgets, comma-separated (default 48,16)")
     ap.add_argument("--seeds", default=None, help="seeds, comma-separated (default 0,1,2)")
     ap.add_argument("--steps", type=int, default=None, help="run.steps (default: the preset's)")
-    ap.add_argument("--eval-every", type=int, default=None, help="accuracy curve points (run.eval_every)")
+    ap.add_argument("--eval-every", type=int, default=None,
+                    help="accuracy curve points (run.eval_every; default 5, --quick 1)")
     ap.add_argument("--model", type=Path, default=REPO / ".cache/models/tiny-base")
     ap.add_argument("--out", type=Path, default=REPO / "runs")
     ap.add_argument("--parallel", type=int, default=1, help="runs at once (a cluster; default 1)")

@@ -10,7 +10,8 @@ from pathlib import Path
 STATS = (("reward_last", "reward", "last"), ("agreement_mean", "mismatch/agreement_mean", "mean"),
          ("agreement_p5", "mismatch/agreement_p5", "mean"), ("k3", "mismatch/k3", "mean"),
          ("frac_rejected", "correction/frac_rejected", "mean"),
-         ("frac_vetoed", "correction/frac_vetoed", "mean"), ("rollout_s", "time/rollout_gen_s", "mean"))
+         ("frac_vetoed", "correction/frac_vetoed", "mean"),
+         ("rollout_s", "time/rollout_gen_s", "mean"))
 # compare.md columns, mean ± spread over seeds
 COLUMNS = ("acc_dense_decode", "acc_sparse_decode", "acc_base", "acc_base_sparse", "reward_last",
            "agreement_mean", "agreement_p5", "k3", "frac_rejected", "frac_vetoed",

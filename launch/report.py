@@ -30,9 +30,12 @@ PANELS = [
 ]
 
 # The markdown table: (column, metrics key, how the run's values reduce to one number)
-TABLE = [("reward (last)", "reward", "last"), ("agreement p5 (mean)", "mismatch/agreement_p5", "mean"),
-         ("k3 (mean)", "mismatch/k3", "mean"), ("rejected (mean)", "correction/frac_rejected", "mean"),
-         ("vetoed (mean)", "correction/frac_vetoed", "mean"), ("KV kept (mean)", "kept_ratio", "mean"),
+TABLE = [("reward (last)", "reward", "last"),
+         ("agreement p5 (mean)", "mismatch/agreement_p5", "mean"),
+         ("k3 (mean)", "mismatch/k3", "mean"),
+         ("rejected (mean)", "correction/frac_rejected", "mean"),
+         ("vetoed (mean)", "correction/frac_vetoed", "mean"),
+         ("KV kept (mean)", "kept_ratio", "mean"),
          ("tokens/s (mean)", "rollout/tokens_per_s", "mean"),
          ("staleness (mean)", "batch/staleness_mean", "mean")]
 

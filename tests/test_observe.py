@@ -145,3 +145,18 @@ def test_field_comments_trailing_and_above():
     assert "log_every" in c and "seed" in c
     assert first_sentence("A one. Two.") == "A one."
     assert first_sentence("k+1 .. k+s are fine") == "k+1 .. k+s are fine"
+
+
+def test_batch_metrics_rollout_throughput_from_engine_time():
+    import pyarrow as pa
+
+    from launch.steps import batch_metrics
+
+    batch = pa.table({"reward": [1.0, 0.0], "response_len": [3, 5], "kept_ratio": [0.5, 1.0],
+                      "sampler_logprobs": [[0.0] * 3, [0.0] * 5],
+                      "old_logprobs": [[0.0] * 3, [0.0] * 5], "policy_version": [1, 1],
+                      "gen_time_s": [0.25, 0.25]})   # each row's share of one 0.5 s engine call
+    m = batch_metrics(batch, 2)
+    assert m["batch/response_tokens"] == 8 and m["time/rollout_gen_s"] == pytest.approx(0.5)
+    assert m["rollout/tokens_per_s"] == pytest.approx(16.0)
+    assert m["reward"] == 0.5 and m["batch/staleness_max"] == 0
