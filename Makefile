@@ -9,7 +9,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 export RAY_AUTH_MODE := disabled
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv vllm train test test-gpu model bench clean lock
+.PHONY: venv vllm train test test-gpu model bench compare clean lock
 
 venv: $(STAMP)
 
@@ -47,6 +47,11 @@ test-gpu:
 bench: $(STAMP)
 	$(PY) bench/rollout.py --quick
 	$(PY) bench/buffer.py --quick
+
+# Dense vs naive sparse vs Sparse-RL (bench/compare.py): 3 seeds x budgets 48,16 on the default task
+# (15 runs: an hour or more on 2 cores, estimated, not measured). CI: `make compare ARGS="--quick --model DIR"` (1 seed, 2 steps).
+compare: model
+	$(PY) bench/compare.py $(ARGS)
 
 lock: $(STAMP)
 	$(PY) -m pip freeze --exclude-editable | grep -v '^-e' > requirements.lock

@@ -169,6 +169,7 @@ class RolloutActor:
                 "mean_reward": sum(rewards) / len(rewards), "num_problems": len(problems),
                 "mean_response_len": sum(len(o.response_ids) for o in outs) / len(outs),
                 "kept_ratio": sum(o.kept_ratio for o in outs) / len(outs),
+                "peak_kv_bytes": sum(o.peak_kv_bytes for o in outs) / len(outs),
                 "gen_time_s": elapsed}
 
     # ---- weights ---------------------------------------------------------------------------------

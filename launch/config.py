@@ -8,6 +8,7 @@ dotted key and what is allowed, before Ray or any model starts.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -37,15 +38,15 @@ class RunMode(str, Enum):
 
 @dataclass
 class RunConfig:
-    name: str = "default"
-    seed: int = 0
+    name: str = "default"          # the run folder is out_dir/<name>-<date>-<time>
+    seed: int = 0                   # order of the training prompts
     steps: int = 20                 # learner steps (policy versions) to train
     prompts_per_step: int = 16      # groups per learner step; each group holds rollout.samples_per_prompt
     out_dir: str = "runs"           # metrics, checkpoints and logs go to out_dir/name
     eval_problems: int = 256        # held-out problems scored before and after RL (0: all)
     eval_greedy: bool = False       # False: mean accuracy of one sample at the rollout temperature
     eval_every: int = 0             # also evaluate every N steps (0: only before and after)
-    log_every: int = 1
+    log_every: int = 1              # print the compact metrics line every N steps
     mode: RunMode = RunMode.sync
     checkpoint_every: int = 0       # checkpoint every N steps and after the last (0: only on SIGTERM)
     checkpoint_keep: int = 2        # newest checkpoints kept (0: all)
@@ -53,6 +54,9 @@ class RunConfig:
     # generated while it trains on k); 1 is deterministic, >1 tags each batch with the version its
     # actor held when it started, which depends on timing (lag <= s <= buffer.max_staleness)
     rollouts_ahead: int = 1
+    tensorboard: bool = True        # TensorBoard event files in <run dir>/tensorboard (every metric)
+    wandb: bool = False             # also log to Weights & Biases (optional: pip install wandb)
+    progress: bool = True           # progress bars for steps and evaluation (only on a terminal)
 
     def validate(self, prefix: str = "run") -> None:
         if not self.name or "/" in self.name:
@@ -65,6 +69,9 @@ class RunConfig:
         check_range(f"{prefix}.checkpoint_every", self.checkpoint_every, 0)
         check_range(f"{prefix}.checkpoint_keep", self.checkpoint_keep, 0)
         check_range(f"{prefix}.rollouts_ahead", self.rollouts_ahead, 1)
+        if self.wandb and importlib.util.find_spec("wandb") is None:  # optional, never in the lock
+            raise ConfigError(f"{prefix}.wandb", self.wandb,
+                              "false, or install wandb first (pip install wandb): it is optional")
 
 
 @dataclass

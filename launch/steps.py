@@ -185,46 +185,103 @@ def sync_weights(pools, cfg) -> tuple[int, dict]:
 
 
 def batch_metrics(batch, learner_version: int) -> dict:
-    """Reward, lengths, kept ratio and staleness of a training batch; checks log-prob lengths."""
+    """Reward, lengths, kept ratio and staleness of a training batch; checks log-prob lengths.
+    ``time/rollout_gen_s``: engine seconds that generated the batch, summed over rollout actors
+    (each row carries its share of its engine call); ``rollout/tokens_per_s``: response tokens per
+    engine second, i.e. one actor's generation throughput. (The driver's wait for a batch is no
+    measure of either: in sync mode the rollouts run while the previous step logs and evaluates.)"""
     import pyarrow.compute as pc
 
     lengths_ok = all(pc.all(pc.equal(pc.list_value_length(batch.column(c)),
                                      batch.column("response_len"))).as_py()
                      for c in ("sampler_logprobs", "old_logprobs"))
     lag = learner_version - 1 - batch.column("policy_version").to_numpy()  # version trained on
-    return {"reward": float(pc.mean(batch.column("reward")).as_py()),
+    out = {"reward": float(pc.mean(batch.column("reward")).as_py()),
             "response_len": float(pc.mean(batch.column("response_len")).as_py()),
             "kept_ratio": float(pc.mean(batch.column("kept_ratio")).as_py()),
             "batch/logprob_lengths_match": lengths_ok,
             "batch/staleness_mean": float(lag.mean()), "batch/staleness_max": int(lag.max())}
+    tokens = int(pc.sum(batch.column("response_len")).as_py() or 0)
+    gen_s = float(pc.sum(batch.column("gen_time_s")).as_py() or 0.0)
+    out.update({"batch/response_tokens": tokens, "time/rollout_gen_s": gen_s,
+                "rollout/tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0})
+    return out
 
 
-def evaluate_sets(rollout_actors: list, sets: dict[str, list], greedy: bool) -> dict[str, float]:
-    """Accuracy on each evaluation set (``launch.preflight.task_prompts``): ``eval/accuracy`` for
-    the task's held-out problems, ``eval/<name>/accuracy`` for each of ``task.eval_sets``."""
-    return {("eval/accuracy" if name == "heldout" else f"eval/{name}/accuracy"):
-            evaluate(rollout_actors, problems, greedy) for name, problems in sets.items()}
-
-
-def evaluate(rollout_actors: list, problems: list, greedy: bool) -> float:
-    """Held-out accuracy over all actors (weighted by how many problems each scored)."""
+def buffer_depth(pools) -> dict:
+    """How full the replay buffer is after a step (rows held, whole scored groups ready)."""
     import ray
 
-    results = ray.get(launch(rollout_actors, "evaluate", problems, greedy))
+    st = ray.get(pools.buffer.stats.remote())
+    return {"buffer/live_rows": st["live_rows"], "buffer/ready_groups": st["ready_groups"],
+            "buffer/fill_fraction": st["fill_fraction"]}
+
+
+def evaluate_sets(rollout_actors: list, sets: dict[str, list], greedy: bool,
+                  progress: bool = False) -> dict[str, float]:
+    """Accuracy on each evaluation set (``launch.preflight.task_prompts``): ``eval/accuracy`` for
+    the task's held-out problems, ``eval/<name>/accuracy`` for each of ``task.eval_sets``.
+    ``progress``: a bar per set on a terminal (``launch.observe.progress_on``)."""
+    return {("eval/accuracy" if name == "heldout" else f"eval/{name}/accuracy"):
+            evaluate(rollout_actors, problems, greedy, progress=progress, desc=f"eval {name}")
+            for name, problems in sets.items()}
+
+
+def evaluate(rollout_actors: list, problems: list, greedy: bool, *, dense: bool = True,
+             progress: bool = False, desc: str = "eval") -> float:
+    """Held-out accuracy over all actors (weighted by how many problems each scored); decoded
+    with a dense cache, or with the rollout KV policy when ``dense=False``. The bar advances as
+    each actor's share comes back (the shares are not split further: that would change the
+    sampling seeds, and so the accuracy, of sampled evaluation)."""
+    import ray
+
+    from launch.observe import bar
+
+    refs = launch(rollout_actors, "evaluate", problems, greedy, dense)
+    pbar, results = bar(len(problems), desc, progress), []
+    while refs:
+        done, refs = ray.wait(refs, num_returns=1)
+        results.append(ray.get(done[0]))
+        if pbar is not None:
+            pbar.update(results[-1]["num_problems"])
+    if pbar is not None:
+        pbar.close()
     total = sum(r["num_problems"] for r in results)
     return sum(r["accuracy"] * r["num_problems"] for r in results) / max(total, 1)
 
 
 class MetricsLog:
     """One JSON object per line in ``run_dir/metrics.jsonl`` and a short line on stdout; which
-    samples each step trained on, and at which version, in ``run_dir/trained_samples.jsonl``."""
+    samples each step trained on, and at which version, in ``run_dir/trained_samples.jsonl``.
+    With ``run`` (the ``run:`` config section) every record also goes to TensorBoard / wandb / Ray
+    gauges (``launch.observe.Sinks``) and ``steps()`` draws a bar on a terminal."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, run=None, config: dict | None = None):
+        from launch.observe import Sinks
+
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         self._f = self.path.open("a")
         self._trained = (run_dir / "trained_samples.jsonl").open("a")
         self.t0 = time.time()
+        self.progress = bool(run is not None and run.progress)
+        self.sinks = Sinks(run_dir, tensorboard=run is not None and run.tensorboard,
+                           wandb=run is not None and run.wandb,
+                           name=run_dir.name, config=config)
+        self._bar = None
+
+    def steps(self, first: int, last: int):
+        """``range(first, last + 1)``, behind a progress bar when ``progress_on``."""
+        from launch.observe import bar
+
+        self._bar = bar(last, "steps", self.progress, initial=first - 1)
+        for step in range(first, last + 1):
+            yield step
+            if self._bar is not None:
+                self._bar.update(1)
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
     def trained(self, step: int, version: int, sample_ids: list[str]) -> None:
         self._trained.write(json.dumps({"step": step, "version": version,
@@ -235,13 +292,19 @@ class MetricsLog:
         record = {"time_s": round(time.time() - self.t0, 2), **record}
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
+        self.sinks.write(record)
         if show:
-            parts = [f"{k}={_fmt(record[k])}" for k in show if k in record]
-            print(" ".join(parts), flush=True)
+            line = " ".join(f"{k}={_fmt(record[k])}" for k in show if k in record)
+            if self._bar is not None:  # above the bar, which keeps the latest line too
+                self._bar.set_postfix_str(line, refresh=False)
+                self._bar.write(line)
+            else:
+                print(line, flush=True)
 
     def close(self) -> None:
         self._f.close()
         self._trained.close()
+        self.sinks.close()
 
     def summary(self, summary: dict) -> None:
         """The run's ``summary.json``, its closing lines on stdout (the last one is

@@ -45,12 +45,15 @@ def main(argv: list[str]) -> dict:
     from buffer.tensors import to_tensors
     from cluster.pools import broadcast_weights, build_pools, connect_weight_sync, on_learners
     from cluster.ray_setup import start_ray
-    from launch.steps import (MetricsLog, PromptSampler, batch_metrics, evaluate_sets, fill_rollouts,
-                              gather_rollouts, land_rollouts, score_pending, sync_weights)
+    from launch.steps import (MetricsLog, PromptSampler, batch_metrics, buffer_depth, evaluate_sets,
+                              fill_rollouts, gather_rollouts, land_rollouts, score_pending,
+                              sync_weights)
     from learner.batch import prepare_batch, reduce_metrics, shard_batch
 
     t_start = time.time()
-    log = MetricsLog(run_dir)
+    log = MetricsLog(run_dir, cfg.run)  # + TensorBoard (run.tensorboard), wandb, Ray gauges
+    if cfg.run.tensorboard:
+        print(f"[tensorboard] tensorboard --logdir {run_dir}", flush=True)
     sampler = PromptSampler(train, cfg.run.prompts_per_step, cfg.run.seed)
 
     # 3. Ray (in-process on 127.0.0.1 unless cluster.address is set) and the actor pools.
@@ -69,7 +72,7 @@ def main(argv: list[str]) -> dict:
     # 5. Held-out accuracy before RL (a resumed run keeps the first run's).
     acc_before = state.get("accuracy_before")
     if acc_before is None:
-        before = evaluate_sets(pools.rollout, evals, cfg.run.eval_greedy)  # + task.eval_sets
+        before = evaluate_sets(pools.rollout, evals, cfg.run.eval_greedy, log.progress)
         acc_before = before["eval/accuracy"]
         print(f"[eval] step 0: {before} ({len(evals['heldout'])} held-out problems)")
         log.write({"step": 0, **before})
@@ -80,7 +83,7 @@ def main(argv: list[str]) -> dict:
     overlap = cfg.run.mode == RunMode.async_
     in_flight = deque([] for _ in range(state["in_flight"]))  # batches a checkpoint landed
     fill_rollouts(in_flight, pools, sampler, version, cfg.run.steps)  # resumed: landed ones count
-    for step in range(state["step"] + 1, cfg.run.steps + 1):
+    for step in log.steps(state["step"] + 1, cfg.run.steps):  # a bar on a terminal
         t0 = time.time()
         # 6a. Sparse rollouts: G samples per prompt, sampler log-probs, rewards, policy version.
         # (A rollout actor that died is replaced and its share regenerated: cluster/elastic.py.)
@@ -118,9 +121,10 @@ def main(argv: list[str]) -> dict:
         # 6f. Metrics: reward, mismatch and correction statistics, timings.
         record = {"step": step, "version": version, **batch_metrics(batch, version),
                   "time/rollout_wait_s": t_roll, "time/step_s": time.time() - t0, **sync,
+                  **buffer_depth(pools),
                   **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
         if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < cfg.run.steps:
-            record.update(evaluate_sets(pools.rollout, evals, cfg.run.eval_greedy))
+            record.update(evaluate_sets(pools.rollout, evals, cfg.run.eval_greedy, log.progress))
         show = ("step", "reward", "response_len", "kept_ratio", "loss", "eval/accuracy", "time/step_s")
         log.write(record, show=show if step % cfg.run.log_every == 0 else ())
         log.trained(step, version, trained)
@@ -137,7 +141,7 @@ def main(argv: list[str]) -> dict:
             return {"stopped": stop.signal, "step": step, "version": version, "checkpoint": str(ckpt)}
 
     # 7. Held-out accuracy after RL, the trained model in HF format, and the summary.
-    after = evaluate_sets(pools.rollout, evals, cfg.run.eval_greedy)
+    after = evaluate_sets(pools.rollout, evals, cfg.run.eval_greedy, log.progress)
     acc_after = after["eval/accuracy"]
     log.write({"step": cfg.run.steps, **after})
     on_learners(pools, "save_hf", str(run_dir / "final"))
@@ -152,6 +156,9 @@ def main(argv: list[str]) -> dict:
 if __name__ == "__main__":
     from common.errors import ConfigError, DataError
 
+    if {"-h", "--help"} & set(sys.argv[1:]):  # usage + every key, from the config dataclasses
+        from launch.helptext import usage
+        sys.exit(print(usage(__doc__)))  # exit 0
     try:
         sys.exit(143 if main(sys.argv[1:]).get("stopped") else 0)
     except (ConfigError, DataError) as err:  # bad input: one clear line, no traceback

@@ -7,6 +7,7 @@ sampler and old log-probs of equal length, and metrics and the HF model were wri
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,19 @@ def test_train_runs_end_to_end(tiny_model, tmp_path, mode):
     assert summary["version"] == steps
     assert (run_dir / "final" / "config.json").is_file()
     assert (run_dir / "config.yaml").is_file()
+    # observability: every numeric metric in TensorBoard, the logdir line, no bar off a terminal
+    from test_observe import read_scalars
+
+    from launch.observe import scalars
+    tb = read_scalars(run_dir / "tensorboard")
+    assert set().union(*(scalars(r) for r in records)) == set(tb)
+    assert {"rollout/tokens_per_s", "buffer/live_rows", "mismatch/agreement_p5"} <= set(tb)
+    assert [s for s, _ in tb["reward"]] == list(range(1, steps + 1))
+    assert f"tensorboard --logdir {run_dir}" in proc.stdout
+    # (transformers draws its own loading bars in the actors: only ours must stay off)
+    assert not re.search(r"(steps|eval heldout): +\d+%", proc.stderr + proc.stdout)
+    assert "\r" not in proc.stdout
+    assert sum(line.startswith("step=") for line in proc.stdout.splitlines()) == steps
 
 
 def test_bad_config_stops_before_ray(tmp_path):

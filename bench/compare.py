@@ -1,0 +1,228 @@
+"""Dense vs naive sparse vs Sparse-RL, trained with the same seeds and step budget (issue 15).
+
+    python bench/compare.py                          # budgets 48,16; 3 seeds; default.yaml's steps
+    python bench/compare.py --quick --model DIR      # CI: 1 seed, 2 steps, budget 16, 8 problems
+    python bench/compare.py --budgets 48,24,16 --seeds 0,1,2 --steps 40 -- run.eval_every=10
+
+Arms (``ARMS``): ``dense`` (full-cache rollouts, no correction: the reference), ``naive_sparse``
+(R-KV rollouts at the budget, no correction), ``sparse_rl`` (R-KV + the Sparse-RL correction), and
+``sparse_rl_dynamic`` / ``distill_sparse`` when the config has their keys (issue 14): an arm whose
+key is absent is listed as missing in the report, never run under another name. Each (arm, budget,
+seed) is one ``launch/train.py`` run (the dense arm trains once per seed; its rows repeat per budget).
+
+After each run its ``final/`` model is decoded on the held-out problems twice, in this process:
+with a dense cache (``acc_dense_decode``) and with R-KV at the row's budget (``acc_sparse_decode``):
+the paper's claim that sparse training makes the model robust to sparse inference, measured for
+the dense-trained model too; the base model the same way (``acc_base``, ``acc_base_sparse``).
+``kv_bytes_vs_dense``: peak KV bytes per sequence of the arm's rollout policy over a dense cache on
+those problems; ``rollout_s_vs_dense``: engine seconds generating a step's rollouts
+(``time/rollout_gen_s``), mean over steps, over the dense arm's with the same seed.
+
+Writes ``<out>/compare-<time>/``: ``compare.json`` (rows + missing arms + command + wall time),
+``compare.md`` (mean and spread over seeds), ``compare.png`` (accuracy curves, final accuracies)
+and ``report-b<budget>/`` (``launch/report.py`` over every run at that budget). ``--quick`` exits
+non-zero unless every available arm ran and reported.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# Run as a script, bench/ leads sys.path and `import buffer` (launch.config's) would find
+# bench/buffer.py: drop that folder, put the repo first.
+_HERE = str(Path(__file__).resolve().parent)
+sys.path[:] = [str(REPO)] + [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+from bench.compare_eval import aggregate, decode_accuracy, markdown, plot, run_stats  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    overrides: tuple[str, ...]      # key=value; "{budget}" is filled in
+    requires: str = ""              # a dotted config key the arm needs; absent -> reported missing
+    sparse: bool = True             # trains with the budget (False: once per seed, every budget)
+
+
+ARMS = (
+    Arm("dense", ("rollout.kv.policy=dense", "correction.method=none"), sparse=False),
+    Arm("naive_sparse", ("rollout.kv.policy=rkv", "rollout.kv.budget={budget}",
+                         "correction.method=none")),
+    Arm("sparse_rl", ("rollout.kv.policy=rkv", "rollout.kv.budget={budget}",
+                      "correction.method=sparse_rl")),
+    Arm("sparse_rl_dynamic", ("rollout.kv.policy=rkv", "rollout.kv.budget={budget}",
+                              "correction.method=sparse_rl", "rollout.kv.schedule=dynamic"),
+        requires="rollout.kv.schedule"),
+    Arm("distill_sparse", ("rollout.kv.policy=rkv", "rollout.kv.budget={budget}",
+                           "correction.method=sparse_rl", "correction.distill.enabled=true"),
+        requires="correction.distill"),
+)
+
+# --quick: the e2e tests' few-second job (tests/conftest.py SMALL_JOB), 2 steps
+QUICK = ("run.eval_problems=8", "run.prompts_per_step=4", "rollout.samples_per_prompt=4",
+         "rollout.max_new_tokens=24", "rollout.kv.compress_every=4", "scorer.num_actors=1",
+         "rollout.num_actors=1", "correction.loss.entropy_coef=0.01")
+
+
+def has_key(dotted: str) -> bool:
+    """Whether the config schema (the dataclasses) has ``dotted``: how a planned arm is detected."""
+    from omegaconf import OmegaConf
+
+    from launch.config import TrainConfig
+
+    node = OmegaConf.structured(TrainConfig)
+    for part in dotted.split("."):
+        if not OmegaConf.is_dict(node) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def plan(arms, budgets: list[int], seeds: list[int]) -> tuple[list[dict], list[dict]]:
+    """(training jobs, missing arms). A job: {arm, budget (None for dense), seed, overrides}."""
+    jobs, missing = [], []
+    for arm in arms:
+        if arm.requires and not has_key(arm.requires):
+            missing.append({"arm": arm.name, "reason": f"config key {arm.requires} does not exist "
+                                                      "(issue 14 not merged)"})
+            continue
+        for seed in seeds:
+            for budget in (budgets if arm.sparse else [None]):
+                ov = [o.format(budget=budget) for o in arm.overrides]
+                jobs.append({"arm": arm.name, "budget": budget, "seed": seed, "overrides": ov})
+    return jobs, missing
+
+
+def train(job: dict, common: list[str], runs_dir: Path, log_dir: Path) -> dict:
+    """One ``launch/train.py`` run; returns the job with ``run_dir`` (None on failure) and ``rc``."""
+    name = f"{job['arm']}{'-b' + str(job['budget']) if job['budget'] else ''}-s{job['seed']}"
+    seed = job["seed"]
+    args = [sys.executable, str(REPO / "launch/train.py"), *common, *job["overrides"],
+            f"run.seed={seed}", f"rollout.seed={seed}", f"learner.seed={seed}",
+            f"run.name={name}", f"run.out_dir={runs_dir}", "run.progress=false"]
+    t0 = time.time()
+    log = log_dir / f"{name}.log"
+    with log.open("w") as f:
+        rc = subprocess.run(args, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode
+    found = sorted(runs_dir.glob(f"{name}-*"))
+    ok = rc == 0 and found and (found[-1] / "final" / "config.json").is_file()
+    print(f"[compare] {name}: {'ok' if ok else f'FAILED (rc {rc}, {log})'} "
+          f"in {time.time() - t0:.0f} s", flush=True)
+    return {**job, "name": name, "rc": rc, "log": str(log),
+            "run_dir": str(found[-1]) if ok else None}
+
+
+def rows_for(jobs: list[dict], budgets: list[int], model: Path) -> list[dict]:
+    """One row per (arm, budget, seed) with the accuracies decoded dense and sparse."""
+    base = {b: decode_accuracy(model, _any_run(jobs), b) for b in budgets}
+    dense_roll = {j["seed"]: run_stats(Path(j["run_dir"]))["rollout_s"]
+                  for j in jobs if j["arm"] == "dense" and j["run_dir"]}
+    rows = []
+    for job in jobs:
+        if not job["run_dir"]:
+            continue
+        run = Path(job["run_dir"])
+        stats = run_stats(run)
+        for budget in ([job["budget"]] if job["budget"] else budgets):
+            acc = decode_accuracy(run / "final", run, budget)
+            kv = 1.0 if job["arm"] == "dense" else acc["sparse_kv_bytes"] / acc["dense_kv_bytes"]
+            ref = dense_roll.get(job["seed"])
+            rows.append({
+                "arm": job["arm"], "budget": budget, "seed": job["seed"], "run_dir": str(run),
+                "acc_dense_decode": acc["dense"], "acc_sparse_decode": acc["sparse"],
+                "acc_base": base[budget]["dense"], "acc_base_sparse": base[budget]["sparse"],
+                **{k: v for k, v in stats.items() if k != "rollout_s"},
+                "kv_bytes_vs_dense": kv,
+                "rollout_s_vs_dense": stats["rollout_s"] / ref if ref else None})
+    return rows
+
+
+def _any_run(jobs: list[dict]) -> Path:
+    """A finished run whose config (task, eval problems) decodes the base model."""
+    return next(Path(j["run_dir"]) for j in jobs if j["run_dir"])
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="bench/compare.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CI: 1 seed, 2 steps, budget 16")
+    ap.add_argument("--budgets", default=None, help="KV budgets, comma-separated (default 48,16)")
+    ap.add_argument("--seeds", default=None, help="seeds, comma-separated (default 0,1,2)")
+    ap.add_argument("--steps", type=int, default=None, help="run.steps (default: the preset's)")
+    ap.add_argument("--eval-every", type=int, default=None,
+                    help="accuracy curve points (run.eval_every; default 5, --quick 1)")
+    ap.add_argument("--model", type=Path, default=REPO / ".cache/models/tiny-base")
+    ap.add_argument("--out", type=Path, default=REPO / "runs")
+    ap.add_argument("--parallel", type=int, default=1, help="runs at once (a cluster; default 1)")
+    ap.add_argument("overrides", nargs="*", help="key=value for every run (after --)")
+    args = ap.parse_args(argv)
+    quick = args.quick
+    args.budgets = [int(b) for b in (args.budgets or ("16" if quick else "48,16")).split(",")]
+    args.seeds = [int(s) for s in (args.seeds or ("0" if quick else "0,1,2")).split(",")]
+    if args.steps is None and quick:
+        args.steps = 2
+    if args.eval_every is None:
+        args.eval_every = 1 if quick else 5
+    if args.parallel < 1 or any(b < 1 for b in args.budgets) or not args.seeds:
+        ap.error("--parallel and --budgets must be >= 1, and --seeds non-empty")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    t0 = time.time()
+    out = args.out / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    (out / "logs").mkdir(parents=True)
+    common = [f"rollout.model_path={args.model}", f"run.eval_every={args.eval_every}",
+              "run.checkpoint_every=0", *(QUICK if args.quick else ()), *args.overrides]
+    if args.steps is not None:
+        common.append(f"run.steps={args.steps}")
+    jobs, missing = plan(ARMS, args.budgets, args.seeds)
+    for m in missing:
+        print(f"[compare] arm {m['arm']} missing: {m['reason']}", flush=True)
+    with ThreadPoolExecutor(args.parallel) as pool:
+        jobs = list(pool.map(lambda j: train(j, common, out / "runs", out / "logs"), jobs))
+    rows = rows_for(jobs, args.budgets, args.model) if any(j["run_dir"] for j in jobs) else []
+    failed = [{"arm": j["arm"], "budget": j["budget"], "seed": j["seed"], "log": j["log"]}
+              for j in jobs if not j["run_dir"]]
+    wall = round(time.time() - t0, 1)
+    command = "python bench/compare.py " + " ".join(argv)
+    result = {"command": command, "wall_s": wall, "budgets": args.budgets, "seeds": args.seeds,
+              "rows": rows, "summary": aggregate(rows), "missing": missing, "failed": failed}
+    (out / "compare.json").write_text(json.dumps(result, indent=2))
+    (out / "compare.md").write_text(markdown(result))
+    if rows:
+        plot(rows, out / "compare.png")
+        _reports(jobs, args.budgets, out)
+    print((out / "compare.md").read_text())
+    print(f"[compare] {out} ({wall:.0f} s)")
+    ran = {r["arm"] for r in rows}
+    expected = {a.name for a in ARMS} - {m["arm"] for m in missing}
+    if failed or ran != expected:
+        print(f"[compare] arms without results: {sorted(expected - ran)}; failed: {failed}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _reports(jobs: list[dict], budgets: list[int], out: Path) -> None:
+    """``launch/report.py`` over all runs of each budget (the dense runs in every one)."""
+    from launch.report import render
+
+    for b in budgets:
+        sel = [j for j in jobs if j["run_dir"] and j["budget"] in (b, None)]
+        if sel:
+            render([Path(j["run_dir"]) for j in sel], out / f"report-b{b}",
+                   [f"{j['arm']}-s{j['seed']}" for j in sel])
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    sys.exit(main(sys.argv[1:]))

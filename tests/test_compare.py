@@ -1,0 +1,68 @@
+"""bench/compare.py: arms planned from the config (missing ones reported, not run), and the quick
+comparison end to end on the tiny model: every available arm trains, is decoded dense and sparse,
+and reports its row, table and plots."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import train_env
+from PIL import Image
+
+from bench.compare import ARMS, has_key, plan
+from bench.compare_eval import aggregate
+
+REPO = Path(__file__).resolve().parent.parent
+ROW_KEYS = {"arm", "budget", "seed", "acc_dense_decode", "acc_sparse_decode", "acc_base",
+            "reward_last", "agreement_p5", "frac_vetoed", "kv_bytes_vs_dense", "rollout_s_vs_dense"}
+
+
+def test_plan_reports_arms_whose_keys_do_not_exist():
+    assert has_key("rollout.kv.budget") and not has_key("rollout.kv.nosuch")
+    jobs, missing = plan(ARMS, [48, 16], [0, 1])
+    present = [a for a in ARMS if not a.requires or has_key(a.requires)]
+    assert {m["arm"] for m in missing} == {a.name for a in ARMS} - {a.name for a in present}
+    assert all(a.requires in m["reason"] for a in ARMS for m in missing if m["arm"] == a.name)
+    # dense trains once per seed (decoded at every budget), sparse arms per budget and seed
+    assert sum(j["arm"] == "dense" for j in jobs) == 2
+    assert sum(j["arm"] == "sparse_rl" for j in jobs) == 4
+    sparse = [j for j in jobs if j["arm"] == "naive_sparse" and j["budget"] == 16]
+    assert "rollout.kv.budget=16" in sparse[0]["overrides"]
+    assert "correction.method=none" in sparse[0]["overrides"]
+
+
+def test_aggregate_mean_and_spread():
+    rows = [{"arm": "a", "budget": 16, "acc_dense_decode": v} for v in (0.2, 0.4)]
+    (e,) = aggregate(rows)
+    assert e["seeds"] == 2 and e["acc_dense_decode"] == pytest.approx(0.3)
+    assert e["acc_dense_decode_std"] == pytest.approx(0.1414, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_quick_compare_runs_every_arm(tiny_model, tmp_path):
+    proc = subprocess.run([sys.executable, "bench/compare.py", "--quick", "--model",
+                           str(tiny_model), "--out", str(tmp_path)], cwd=REPO,
+                          env=train_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (out,) = tmp_path.glob("compare-*")
+    result = json.loads((out / "compare.json").read_text())
+    ran = {a.name for a in ARMS} - {m["arm"] for m in result["missing"]}
+    assert {"dense", "naive_sparse", "sparse_rl"} <= ran
+    assert {r["arm"] for r in result["rows"]} == ran and not result["failed"]
+    for row in result["rows"]:
+        assert ROW_KEYS <= set(row) and row["budget"] == 16 and row["seed"] == 0
+        assert 0.0 <= row["acc_dense_decode"] <= 1.0 and 0.0 <= row["acc_sparse_decode"] <= 1.0
+    by_arm = {r["arm"]: r for r in result["rows"]}
+    assert by_arm["dense"]["kv_bytes_vs_dense"] == 1.0
+    assert by_arm["dense"]["agreement_p5"] == pytest.approx(1.0)   # no mismatch without eviction
+    assert by_arm["sparse_rl"]["kv_bytes_vs_dense"] < 1.0          # R-KV at 16 evicted
+    assert by_arm["naive_sparse"]["agreement_p5"] < 1.0
+    md = (out / "compare.md").read_text()
+    assert all(f"| {arm} | 16 |" in md for arm in ran)
+    assert all(f"missing arm `{m['arm']}`" in md for m in result["missing"])
+    titles = json.loads(Image.open(out / "compare.png").info["Description"])["panels"]
+    assert any("held-out accuracy" in t for t in titles)
+    assert (out / "report-b16" / "report.png").is_file()
