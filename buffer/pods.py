@@ -11,10 +11,18 @@ sorted ascending and prefix sums P1 (of r) and P2 (of r^2), the candidate for k 
     s1(k) = P1[m-k] + P1[n] - P1[n-k],   s2(k) = P2[m-k] + P2[n] - P2[n-k],
     Var(k) = s2(k)/m - (s1(k)/m)^2,
 so one sort plus an O(m) scan gives the optimum: O(n log n) in total.
+
+Numerics: the rewards are centred on their mean first (the variance does not change), so the
+prefix sums do not cancel catastrophically when rewards sit far from 0 (an offset of 1e6 makes
+r^2 ~ 1e12, where float64 resolves only ~1e-4), and candidates within a tolerance *relative to the
+largest variance* count as tied, so rewards of scale 1e-6 (variances ~1e-12) are compared as
+finely as rewards of scale 1.
 """
 from __future__ import annotations
 
 import numpy as np
+
+RTOL = 1e-9   # variances this close (relative to the largest) are ties
 
 
 def max_variance_subset(rewards, m: int) -> np.ndarray:
@@ -30,15 +38,17 @@ def max_variance_subset(rewards, m: int) -> np.ndarray:
     if m >= n:
         return np.arange(n, dtype=np.int64)
     order = np.argsort(r, kind="stable")
-    rs = r[order]
+    rs = r[order] - r.mean()             # centred: the same variances, no cancellation
     p1 = np.concatenate(([0.0], np.cumsum(rs)))
     p2 = np.concatenate(([0.0], np.cumsum(rs * rs)))
     k = np.arange(m + 1)
     s1 = p1[m - k] + p1[n] - p1[n - k]
     s2 = p2[m - k] + p2[n] - p2[n - k]
     var = s2 / m - (s1 / m) ** 2
-    # Round before argmax so floating noise between equal-variance choices cannot flip the pick.
-    best = int(np.argmax(np.round(var, 12)))
+    # Floating noise between equal-variance choices must not flip the pick: the first k within a
+    # tolerance relative to the best variance (scale-free) wins.
+    top = var.max()
+    best = int(np.flatnonzero(var >= top - RTOL * abs(top))[0])
     chosen = np.concatenate((order[: m - best], order[n - best:]))
     return np.sort(chosen)
 

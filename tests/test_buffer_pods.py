@@ -12,12 +12,12 @@ def brute_force(r, m):
                for c in itertools.combinations(range(len(r)), m))
 
 
-def check(r, m):
+def check(r, m, rel=0.0):
     idx = max_variance_subset(r, m)
     assert len(idx) == min(m, len(r)) and len(set(idx.tolist())) == len(idx)
     assert np.all(np.diff(idx) > 0)
     if m < len(r):
-        assert subset_variance(r, idx) == pytest.approx(brute_force(r, m), abs=1e-9)
+        assert subset_variance(r, idx) == pytest.approx(brute_force(r, m), abs=1e-9, rel=rel)
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -59,3 +59,20 @@ def test_large_input_fast():
     r = np.random.default_rng(0).normal(size=200_000)
     idx = max_variance_subset(r, 1000)
     assert idx.size == 1000
+
+
+@pytest.mark.parametrize("scale,offset", [(1e-6, 0.0), (1e-6, 1.0), (1.0, 1e6), (1e-3, 1e6),
+                                          (1e6, 0.0)])
+@pytest.mark.parametrize("seed", range(12))
+def test_max_variance_at_any_reward_scale_and_offset(scale, offset, seed):
+    """Rewards of scale 1e-6 (variances ~1e-12, below any absolute tolerance) and offsets of 1e6
+    (where uncentred sums of squares cancel) still give the brute-force maximum, and the same
+    subset (up to ties) as the same rewards at scale 1 / offset 0."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(3, 10))
+    m = int(rng.integers(1, n))
+    base = rng.normal(size=n) if seed % 2 else rng.integers(0, 3, n).astype(float)
+    r = offset + scale * base
+    check(r, m, rel=1e-6)
+    picked = max_variance_subset(r, m)
+    assert subset_variance(base, picked) == pytest.approx(brute_force(base, m), rel=1e-6, abs=1e-12)
