@@ -1,6 +1,9 @@
 """Hand-built attention patterns: each policy keeps what its definition says."""
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from actors.config import KVConfig
@@ -113,3 +116,59 @@ def test_invalid_slots_are_never_kept():
     acc[:, :, 12:] = 100.0                             # garbage beyond row 1's valid slots
     idx = select("h2o", cfg, 8, view(16, n=[16, 10], hkv=1, acc=acc))
     assert max(kept(idx, row=1)) < 10 and kept(idx, row=1)[-2:] == [8, 9]
+
+
+# ---- as the reference code computes them (SnapKV; R-KV as deployed in Sparse-RL's SGLang) --------
+
+def test_snapkv_softmax_is_over_the_prefix_keys_only():
+    """Query 0 looks almost only at a window key (logit 20) and, among the prefix, at key 3;
+    query 1 mildly prefers prefix key 5. Over all keys (the old rule) query 0's prefix mass is
+    ~e^-18 and key 5 wins; over the prefix only (the reference) key 3 gets 0.51 of query 0's
+    attention against key 5's 0.28 of query 1's, and wins."""
+    win = torch.zeros(1, 1, 1, 2, 10)
+    win[0, 0, 0, 0, 9], win[0, 0, 0, 0, 3] = 20.0, 2.0
+    win[0, 0, 0, 1, 5] = 1.0
+    cfg = KVConfig(policy="snapkv", obs_window=2, pool_kernel=1)
+    assert kept(select("snapkv", cfg, 3, view(10, hkv=1, win=win))) == [3, 8, 9]
+
+
+def test_snapkv_pools_prefix_scores_with_zero_padding_not_the_window():
+    """The window's own keys draw most attention; the prefix key next to the window must not
+    inherit it through the pool (kernel 3). Prefix scores (softmax over slots 0..7 of logits 0
+    except slot 1 at 2.0): p1 = e^2 / (e^2 + 7); pooled slot k = (p_{k-1} + p_k + p_{k+1}) / 3
+    with zeros beyond the prefix, so slots 0..2 (which see p1) beat slot 7."""
+    win = torch.zeros(1, 1, 1, 4, 12)
+    win[..., 8:] = 9.0
+    win[..., 1] = 2.0
+    cfg = KVConfig(policy="snapkv", obs_window=4, pool_kernel=3)
+    assert kept(select("snapkv", cfg, 7, view(12, hkv=1, win=win))) == [0, 1, 2, 8, 9, 10, 11]
+
+
+def _redundancy_by_hand(keys: torch.Tensor) -> torch.Tensor:
+    """The deployed cal_similarity, one key row at a time (S x S loops): cosine similarity,
+    diagonal 0; in row i zero the last j with sim > 0.5, or j = 0 when there is none; mean of
+    each column over the S rows; softmax."""
+    k = keys / (keys.norm(dim=-1, keepdim=True) + 1e-8)
+    s = k.shape[0]
+    sim = [[0.0 if i == j else float(k[i] @ k[j]) for j in range(s)] for i in range(s)]
+    for i in range(s):
+        hits = [j for j in range(s) if sim[i][j] > 0.5]
+        sim[i][hits[-1] if hits else 0] = 0.0
+    col = torch.tensor([sum(sim[i][j] for i in range(s)) / s for j in range(s)])
+    return torch.softmax(col, dim=0)
+
+
+def test_rkv_redundancy_is_the_deployed_rule():
+    # k3 has no similar key: its similarity to slot 0 (0.3) is dropped, as the deployed code does
+    keys = torch.tensor([[1.0, 0, 0], [0.8, 0.6, 0], [0.4, 0.9165, 0], [0.3, 0, 0.9539]])
+    got = redundancy(keys[None, None], torch.tensor([4]))[0, 0]
+    torch.testing.assert_close(got, _redundancy_by_hand(keys), rtol=0, atol=1e-6)
+    # column 0: rows 1 and 2 (row 0 is the diagonal, row 3's 0.3 dropped); column 1: only row
+    # 3's 0.24 (rows 0 and 2 drop theirs, their latest similar key)
+    col0, col1 = (0.8 + 0.4) / 4, 0.24 / 4
+    assert float(got[0] / got[1]) == pytest.approx(math.exp(col0 - col1), rel=1e-4)
+    g = torch.Generator().manual_seed(0)
+    for s in (5, 9, 17):
+        keys = torch.randn(s, 4, generator=g)
+        got = redundancy(keys[None, None], torch.tensor([s]))[0, 0]
+        torch.testing.assert_close(got, _redundancy_by_hand(keys), rtol=0, atol=1e-6)

@@ -13,18 +13,24 @@ query attention the query heads of a group are combined as noted per policy.
   receives from all later queries (summed over the query heads of its KV group); keep the most recent
   ``round(budget * recent_ratio)`` tokens plus the heavy hitters with the largest accumulated score.
   The paper evicts one token per step; we evict in bulk every ``compress_every`` steps.
-- SnapKV (Li et al., NeurIPS 2024): the last ``obs_window`` queries (the observation window) attend
-  to all visible keys (causal, softmax over all keys); the probabilities are summed over the window,
-  averaged over the query heads of the group, smoothed with a 1-D average pool of ``pool_kernel``
-  (as in the reference code) and the top ``budget - obs_window`` keys are kept with the window.
+- SnapKV (Li et al., NeurIPS 2024), as its reference code (and R-KV's port of it) computes it: the
+  last ``obs_window`` queries (the observation window) score the *prefix* keys (the keys before the
+  window): their logits averaged over the query heads of the KV group, a softmax over the prefix
+  keys only, the mean over the window's queries, a 1-D average pool of ``pool_kernel`` over the
+  prefix scores (zero padding, ``F.avg_pool1d``'s default: window keys never leak into a prefix
+  key's score), then the top ``budget - obs_window`` prefix keys are kept with the whole window.
   SnapKV defines prompt compression; we apply the same rule at every decode-time compression.
   (SnapKV's paper uses a 32-token window; ``obs_window`` defaults to R-KV's 8 and is shared.)
-- R-KV (Cai et al., 2025, "Redundancy-aware KV Cache Compression for Reasoning Models"): importance
-  = attention of the last ``obs_window`` queries (logits max-pooled over the query heads of the group,
-  softmax over the keys outside the window, mean over the window, 1-D max pool); redundancy = per
-  key, the mean cosine similarity of the other keys to it (diagonal zeroed; for every key its most
-  recent similar key, cos > 0.5, is not counted), softmax over keys. score = lambda * importance -
-  (1 - lambda) * redundancy; keep the top ``budget - obs_window`` plus the window.
+- R-KV (Cai et al., 2025, "Redundancy-aware KV Cache Compression for Reasoning Models"), as deployed
+  in the Sparse-RL code (its SGLang ``KVCluster(attn_pooling="max", pooling="maxpool",
+  mix_alpha=0.1)``): importance = the same window scores with the group's logits max-pooled instead
+  of averaged and a 1-D *max* pool; redundancy = per key, the mean over all keys of their cosine
+  similarity to it (diagonal zeroed; for every key i its most recent similar key, cos > 0.5, is
+  not counted, and a key with no similar key drops its similarity to the first slot instead, as
+  the deployed ``cal_similarity`` does), softmax over keys. score = lambda * importance -
+  (1 - lambda) * redundancy; keep the top ``budget - obs_window`` prefix keys plus the window.
+  (The deployed SGLang path then sums the scores over KV heads and keeps one set per layer; here
+  every KV head keeps its own set.)
 """
 from __future__ import annotations
 
@@ -91,7 +97,8 @@ def select(policy: KVPolicy, kv: KVConfig, budget: int, view: LayerView) -> torc
     if policy == KVPolicy.h2o:
         return _keep(view.acc, view.n, budget, first=0, last=round(budget * kv.recent_ratio))
     if policy == KVPolicy.snapkv:
-        return _keep(snapkv_scores(view.win, kv.pool_kernel), view.n, budget, 0, kv.obs_window)
+        scores = snapkv_scores(view.win, view.n, kv.obs_window, kv.pool_kernel)
+        return _keep(scores, view.n, budget, 0, kv.obs_window)
     if policy == KVPolicy.rkv:
         scores = rkv_scores(view.win, view.keys, view.n, kv.obs_window, kv.pool_kernel,
                             kv.rkv_lambda)
@@ -117,22 +124,27 @@ def _keep(scores: torch.Tensor, n: torch.Tensor, budget: int, first: int, last: 
     return keep.nonzero()[:, -1].view(*scores.shape[:-1], budget)
 
 
-def snapkv_scores(win: torch.Tensor, kernel: int) -> torch.Tensor:
-    """[R,Hkv,g,w,S] window logits -> pooled attention votes [R,Hkv,S]."""
-    probs = torch.softmax(win, dim=-1).nan_to_num(0.0)        # queries that see nothing give 0
-    votes = probs.sum(dim=3).mean(dim=2)
-    return _pool1d(votes, kernel, "avg")
+def window_scores(win: torch.Tensor, n: torch.Tensor, w: int, group: str) -> torch.Tensor:
+    """[R,Hkv,g,w,S] window logits -> [R,Hkv,S]: the group's logits averaged (``group="mean"``) or
+    max-pooled (``"max"``), softmax over the prefix keys (slots before the last ``w``), mean over
+    the window's queries; 0 on the window and invalid slots (queries that see nothing give 0)."""
+    s = win.shape[-1]
+    slot = torch.arange(s, device=win.device)[None, None, None, None]
+    in_window = slot >= (n[:, None, None, None, None] - w)
+    pooled = win.mean(dim=2, keepdim=True) if group == "mean" else win.amax(dim=2, keepdim=True)
+    probs = torch.softmax(pooled.masked_fill(in_window, float("-inf")), dim=-1).nan_to_num(0.0)
+    return probs.mean(dim=3).squeeze(2)
+
+
+def snapkv_scores(win: torch.Tensor, n: torch.Tensor, w: int, kernel: int) -> torch.Tensor:
+    """SnapKV prefix scores [R,Hkv,S] (module doc): group-mean logits, average-pooled."""
+    return _pool1d(window_scores(win, n, w, "mean"), kernel, "avg")
 
 
 def rkv_scores(win: torch.Tensor, keys: torch.Tensor, n: torch.Tensor, w: int, kernel: int,
                lam: float) -> torch.Tensor:
     """R-KV final score [R,Hkv,S] = lam * importance - (1 - lam) * redundancy."""
-    s = keys.shape[2]
-    slot = torch.arange(s, device=keys.device)[None, None, None, None]
-    in_window = slot >= (n[:, None, None, None, None] - w)
-    logits = win.amax(dim=2, keepdim=True).masked_fill(in_window, float("-inf"))
-    importance = torch.softmax(logits, dim=-1).nan_to_num(0.0).mean(dim=3).squeeze(2)
-    importance = _pool1d(importance, kernel, "max")
+    importance = _pool1d(window_scores(win, n, w, "max"), kernel, "max")
     return lam * importance - (1.0 - lam) * redundancy(keys, n)
 
 
@@ -161,14 +173,15 @@ def redundancy(keys: torch.Tensor, n: torch.Tensor, cells: int = 1 << 18) -> tor
     for i0 in range(0, s, block):
         sim = torch.matmul(k[:, :, i0:i0 + block], kt)                      # [R,Hkv,b(i),S(j)]
         sim.diagonal(offset=i0, dim1=-2, dim2=-1).zero_()
-        # for every key i, its most recent similar key j is not counted as redundant because of i.
+        # for every key i, its most recent similar key j is not counted as redundant because of i
+        # (no similar key: j = slot 0, as the deployed cal_similarity's argmax over zeros gives).
         # j + 1 where sim[i, j] > threshold, else 0: relu(sim - t) > 0 exactly when sim > t (the
         # subtraction never flips a sign), and on CPU these float passes run ~2x faster than a
         # bool and an int16 tensor built with torch.where
         hit = (sim - RKV_SIM_THRESHOLD).relu_().sign_().mul_(ar.to(sim.dtype) + 1)
-        latest = hit.amax(dim=-1).long() - 1                                 # [R,Hkv,b]
-        dropped = sim.gather(-1, latest.clamp(min=0)[..., None])[..., 0] * (latest >= 0)
-        col.scatter_add_(-1, latest.clamp(min=0), -dropped)
+        latest = (hit.amax(dim=-1).long() - 1).clamp_(min=0)                  # [R,Hkv,b]
+        dropped = sim.gather(-1, latest[..., None])[..., 0]
+        col.scatter_add_(-1, latest, -dropped)
     mean_sim = col / n[:, None, None].float()
     return torch.softmax(mean_sim.masked_fill(~valid[:, None], float("-inf")), dim=-1)
 
@@ -181,5 +194,5 @@ def _pool1d(x: torch.Tensor, kernel: int, how: str) -> torch.Tensor:
     if how == "max":
         out = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
     else:
-        out = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
+        out = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2)   # zero padding counts
     return out.reshape(r, h, s)
