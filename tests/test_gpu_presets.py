@@ -25,6 +25,7 @@ def test_gpu_preset_is_the_paper_recipe(name):
     assert cfg.run.prompts_per_step * r.samples_per_prompt == 1024
     assert 1024 // lrn.mini_batches == 256                       # mini-batches of 256 samples
     assert (lrn.lr, loss.kl_coef, loss.kl_estimator.value) == (1e-6, 1e-4, "k3")
+    assert (lrn.weight_decay, tuple(lrn.betas)) == (0.1, (0.9, 0.98))   # the reference's Adam
     assert loss.clip_eps_low == loss.clip_eps_high == 0.2
     assert {r.dtype.value, cfg.scorer.dtype.value, lrn.dtype.value} == {"bfloat16"}
     assert cfg.correction.is_.normalize_over.value == "valid"   # the reference code's choice
