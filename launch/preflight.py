@@ -76,9 +76,16 @@ def _check_weights(path: Path) -> None:
                           f"{', '.join(WEIGHT_FILES + WEIGHT_INDEXES)})")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
 def _tokenizer(path: Path):
     from common.modeling import load_tokenizer
 
+    # without its files transformers builds an empty tokenizer (every prompt -> no ids), silently
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(KEY, str(path), "a model directory with a tokenizer (one of "
+                          f"{', '.join(TOKENIZER_FILES)})")
     try:
         return load_tokenizer(path)
     except Exception as e:  # missing or unreadable tokenizer files: several exception types
