@@ -15,13 +15,6 @@ class CommBackend(str, Enum):
     nccl = "nccl"
 
 
-class PlacementStrategy(str, Enum):
-    PACK = "PACK"
-    SPREAD = "SPREAD"
-    STRICT_PACK = "STRICT_PACK"
-    STRICT_SPREAD = "STRICT_SPREAD"
-
-
 @dataclass
 class ClusterConfig:
     # None: start Ray in-process on this machine, listening on 127.0.0.1 only. "auto" or
@@ -57,7 +50,10 @@ class ClusterConfig:
     rollout_cores: list[int] = field(default_factory=list)
     scorer_cores: list[int] = field(default_factory=list)
     learner_cores: list[int] = field(default_factory=list)
-    placement: PlacementStrategy = PlacementStrategy.PACK
+    # Longest wait for every actor to be placed and constructed (cluster/resources.py): a plan a
+    # local Ray can never place stops at start-up; on a joined (autoscaling) cluster an actor still
+    # unplaced after this long stops the run, naming it, instead of a silent hang.
+    placement_timeout_s: float = 900.0
     temp_dir: str | None = None         # None: a fresh dir under the run's output folder
 
     def validate(self, prefix: str = "cluster") -> None:
@@ -65,8 +61,8 @@ class ClusterConfig:
         check_range(f"{prefix}.weight_sync_port", self.weight_sync_port, 0, 65535)
         check_range(f"{prefix}.weight_sync_bucket_mb", self.weight_sync_bucket_mb, 1, 4096)
         check_range(f"{prefix}.actor_max_restarts", self.actor_max_restarts, -1, 1000)
-        check_range(f"{prefix}.weight_sync_timeout_s", self.weight_sync_timeout_s, 0.0, 86400.0,
-                    lo_open=True)
+        for name in ("weight_sync_timeout_s", "placement_timeout_s"):
+            check_range(f"{prefix}.{name}", getattr(self, name), 0.0, 86400.0, lo_open=True)
         for name in ("rollout_cpus", "scorer_cpus", "learner_cpus", "buffer_cpus"):
             check_range(f"{prefix}.{name}", getattr(self, name), 0.0, 64.0, lo_open=True)
         for name in ("rollout_gpus", "scorer_gpus", "learner_gpus"):

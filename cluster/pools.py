@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cluster.ray_setup import actor_options, pinned
+from cluster.resources import wait_placed
 from cluster.weight_sync import free_port
 
 
@@ -24,6 +25,8 @@ class Pools:
     # run.rollouts_ahead in async mode: > 1 stages broadcasts on the rollout actors (their
     # "weights" concurrency group) instead of queueing behind their rollouts
     rollouts_ahead: int = 1
+    # buffer.stale_policy=requeue: each rollout launch first takes the buffer's requeued prompts
+    requeue: bool = False
 
     @property
     def receivers(self) -> list:
@@ -39,7 +42,8 @@ def build_pools(cfg, run_dir: str) -> Pools:
     from learner.learner import Learner
 
     c = cfg.cluster
-    pools = Pools(rollouts_ahead=rollouts_ahead(cfg))
+    requeue = getattr(cfg.buffer.stale_policy, "value", cfg.buffer.stale_policy) == "requeue"
+    pools = Pools(rollouts_ahead=rollouts_ahead(cfg), requeue=requeue)
     pools.buffer = ray.remote(**actor_options(c.buffer_cpus))(ReplayBuffer).remote(
         cfg.buffer, _buffer_root(cfg, run_dir))
     n_learn = cfg.learner.num_learners
@@ -53,6 +57,10 @@ def build_pools(cfg, run_dir: str) -> Pools:
     pools.rollout_ids = list(range(cfg.rollout.num_actors))
     pools.rollout = [spawn_rollout(cfg, i) for i in pools.rollout_ids]
     pools.scorer = [spawn_scorer(cfg) for _ in range(cfg.scorer.num_actors)]
+    named = [("buffer", pools.buffer)] + [(f"{kind} {i}", a) for kind, group in (
+        ("learner", pools.learners), ("rollout", pools.rollout), ("scorer", pools.scorer))
+        for i, a in enumerate(group)]
+    wait_placed(named, c.placement_timeout_s)  # an unplaceable actor: an error, not a hang
     return pools
 
 

@@ -55,7 +55,12 @@ class ShmRing:
             os.close(fd)
         elif os.path.getsize(path) != size:
             raise ValueError(f"{path}: size {os.path.getsize(path)}, expected {size}")
-        self.buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        try:
+            self.buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        except BaseException:
+            if token is None:  # created here: nobody else knows the name
+                self.unlink()
+            raise
         if token is None:
             token = secrets.token_hex(_TOKEN_BYTES // 2)
             self.buf[:_TOKEN_BYTES].copy_(torch.frombuffer(bytearray(token.encode()), dtype=torch.uint8))

@@ -200,44 +200,59 @@ class _Group:
         Everyone waits for the verdict before building the process group, so a single bad receiver
         makes *all* ranks fail fast with the same message instead of the good ones hanging.
         """
+        if self.rank != 0:
+            return self._agree_as_receiver()
+        try:
+            self._agree_as_sender()
+        except BaseException:  # a receiver that never joins (timeout), a signal: no /dev/shm leak
+            self._drop_ring()
+            raise
+
+    def _agree_as_sender(self) -> None:
         k = self._key
-        if self.rank == 0:
-            meta = {"spec": json.loads(_spec_json(self.spec)), "bucket_bytes": int(self.bucket_bytes),
-                    "backend": self.backend, "shm": self._offer_shm()}
-            self.store.set(f"{k}/meta", json.dumps(meta))
-            problems = []
-            for r in range(1, self.world_size):
-                msg = self.store.get(f"{k}/check/{r}").decode()
-                if msg != _VERDICT_OK:
-                    problems.append(f"rank {r}: {msg}")
-            # the ring only if every receiver mapped it (each said so before its check)
-            if not all(self.store.get(f"{k}/shm/{r}") == b"1" for r in range(1, self.world_size)):
-                self._drop_ring()
-            self.store.set(f"{k}/transport", "shm" if self.ring else "pg")
-            verdict = _VERDICT_OK if not problems else "; ".join(problems)
-            self.store.set(f"{k}/verdict", verdict)
-            # rank 0 hosts the store: leaving (raising) before every receiver has read the verdict
-            # would cut them off with a bare connection error instead of the message
-            self.store.wait([f"{k}/seen/{r}" for r in range(1, self.world_size)])
-            if self.ring:  # every receiver has mapped it: the name is no longer needed
-                self.ring.unlink()
-        else:
-            meta = json.loads(self.store.get(f"{k}/meta").decode())
-            theirs = meta["spec"]
-            # names and shapes must match; dtypes are the sender's (the wire format)
-            diff = _spec_diff([e[:2] for e in json.loads(_spec_json(self.spec))],
-                              [e[:2] for e in theirs])
-            if diff is None and self.backend not in (None, meta["backend"]):
-                diff = f"receiver backend {self.backend!r}, sender backend {meta['backend']!r}"
-            self.store.set(f"{k}/shm/{self.rank}", "1" if self._map_shm(meta.get("shm")) else "0")
-            self.store.set(f"{k}/check/{self.rank}", diff or _VERDICT_OK)
-            verdict = self.store.get(f"{k}/verdict").decode()
-            if self.store.get(f"{k}/transport") != b"shm":
-                self.ring = None
-            self.store.set(f"{k}/seen/{self.rank}", "1")
-            if verdict == _VERDICT_OK:
-                self.spec = [(n, tuple(shape), _dtype(d)) for n, shape, d in theirs]
-                self.bucket_bytes, self.backend = int(meta["bucket_bytes"]), meta["backend"]
+        meta = {"spec": json.loads(_spec_json(self.spec)), "bucket_bytes": int(self.bucket_bytes),
+                "backend": self.backend, "shm": self._offer_shm()}
+        self.store.set(f"{k}/meta", json.dumps(meta))
+        problems = []
+        for r in range(1, self.world_size):
+            msg = self.store.get(f"{k}/check/{r}").decode()
+            if msg != _VERDICT_OK:
+                problems.append(f"rank {r}: {msg}")
+        # the ring only if every receiver mapped it (each said so before its check)
+        if not all(self.store.get(f"{k}/shm/{r}") == b"1" for r in range(1, self.world_size)):
+            self._drop_ring()
+        self.store.set(f"{k}/transport", "shm" if self.ring else "pg")
+        verdict = _VERDICT_OK if not problems else "; ".join(problems)
+        self.store.set(f"{k}/verdict", verdict)
+        # rank 0 hosts the store: leaving (raising) before every receiver has read the verdict
+        # would cut them off with a bare connection error instead of the message
+        self.store.wait([f"{k}/seen/{r}" for r in range(1, self.world_size)])
+        if self.ring:  # every receiver has mapped it: the name is no longer needed
+            self.ring.unlink()
+        self._raise_unless_ok(verdict)
+
+    def _agree_as_receiver(self) -> None:
+        k = self._key
+        meta = json.loads(self.store.get(f"{k}/meta").decode())
+        theirs = meta["spec"]
+        # names and shapes must match; dtypes are the sender's (the wire format)
+        diff = _spec_diff([e[:2] for e in json.loads(_spec_json(self.spec))],
+                          [e[:2] for e in theirs])
+        if diff is None and self.backend not in (None, meta["backend"]):
+            diff = f"receiver backend {self.backend!r}, sender backend {meta['backend']!r}"
+        self.store.set(f"{k}/shm/{self.rank}", "1" if self._map_shm(meta.get("shm")) else "0")
+        self.store.set(f"{k}/check/{self.rank}", diff or _VERDICT_OK)
+        verdict = self.store.get(f"{k}/verdict").decode()
+        if self.store.get(f"{k}/transport") != b"shm":
+            self.ring = None
+        self.store.set(f"{k}/seen/{self.rank}", "1")
+        if verdict == _VERDICT_OK:
+            self.spec = [(n, tuple(shape), _dtype(d)) for n, shape, d in theirs]
+            self.bucket_bytes, self.backend = int(meta["bucket_bytes"]), meta["backend"]
+        self._raise_unless_ok(verdict)
+
+    @staticmethod
+    def _raise_unless_ok(verdict: str) -> None:
         if verdict != _VERDICT_OK:
             raise ValueError(f"weight sync spec mismatch (receiver model differs from the "
                              f"learner's): {verdict}")

@@ -48,7 +48,38 @@ def load_run_config(argv: list[str]):
         raise ConfigError("resume", resume, "a single resume=DIR")
     ckpt = find_checkpoint(resume[0].split("=", 1)[1])
     rest = [a for a in argv if not a.startswith("resume=")]
-    return load_config(["--config", str(ckpt / "config.yaml"), *rest]), ckpt
+    cfg = load_config(["--config", str(ckpt / "config.yaml"), *rest])
+    check_same_task(load_config(["--config", str(ckpt / "config.yaml")]), cfg, ckpt)
+    return cfg, ckpt
+
+
+# What a checkpoint is tied to: its data position indexes the task's problems and its weights have
+# the model's shapes. task.eval_sets only adds evaluations, so it may change on resume.
+RESUME_FIXED = ("rollout.model_path",)
+RESUME_FREE = ("task.eval_sets",)
+
+
+def check_same_task(saved, cfg, ckpt: Path) -> None:
+    """ConfigError naming the first key where ``cfg`` (command line, presets) leaves the
+    checkpoint's task or model: resuming there would train another task from this data position."""
+    import dataclasses
+
+    keys = [f"task.{f.name}" for f in dataclasses.fields(saved.task)] + list(RESUME_FIXED)
+    for key in keys:
+        if key in RESUME_FREE:
+            continue
+        a, b = (_select(c, key) for c in (saved, cfg))
+        if a != b:
+            raise ConfigError("resume", str(ckpt), f"a checkpoint of this run's task and model: "
+                              f"its {key} is {getattr(a, 'value', a)!r}, this run's is "
+                              f"{getattr(b, 'value', b)!r}")
+
+
+def _select(cfg, dotted: str):
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def find_checkpoint(path: str) -> Path:
@@ -125,16 +156,27 @@ def _prune(root: Path, keep: int) -> None:
 class StopRequest:
     """Turns SIGTERM (preemption, ``ray job stop``, a pod's termination) into a request the loop
     checks after each step: it checkpoints and exits instead of dying mid-step. Installed after
-    ``ray.init``, which sets a SIGTERM handler of its own in the driver."""
+    ``ray.init``, which sets a SIGTERM handler of its own in the driver.
+
+    Until ``steps_started()`` there is nothing to checkpoint, so SIGTERM ends the run at once
+    (SystemExit 143, also out of a ``ray.get`` waiting on an actor that is never placed)."""
 
     def __init__(self, signals=(signal.SIGTERM,)):
         self.signal: str | None = None
+        self.deferred = False
         if threading.current_thread() is threading.main_thread():
             for s in signals:
                 signal.signal(s, self._handle)
 
+    def steps_started(self) -> None:
+        """From now on a signal waits for the end of the current step (and its checkpoint)."""
+        self.deferred = True
+
     def _handle(self, signum, frame) -> None:
         self.signal = signal.Signals(signum).name
+        if not self.deferred:
+            print(f"stopped by {self.signal} before the first step", flush=True)
+            raise SystemExit(128 + signum)
 
     def __bool__(self) -> bool:
         return self.signal is not None

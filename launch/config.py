@@ -149,11 +149,15 @@ def _as_config_error(err: OmegaConfBaseException, schema, source: str) -> Config
     return ConfigError(key, value, f"{msg} (from {source})")
 
 
-def _merge(schema, other, source: str):
+def _merge(schema, other, source: str, item: str | None = None):
     try:
         return OmegaConf.merge(schema, other)
     except OmegaConfBaseException as err:
         raise _as_config_error(err, schema, source) from None
+    except (TypeError, ValueError) as err:  # e.g. a mapping merged into a list: task.eval_sets.0.x
+        key, _, value = (item or "?=").partition("=")
+        raise ConfigError(key, value or None, f"a value of the key's type ({err}; from {source})") \
+            from None
 
 
 def parse_args(argv: list[str]) -> tuple[list[Path], list[str]]:
@@ -175,6 +179,19 @@ def parse_args(argv: list[str]) -> tuple[list[Path], list[str]]:
     return files, overrides
 
 
+def _parse_override(item: str):
+    """One ``key=value`` as OmegaConf reads it (the value as YAML); a value YAML or OmegaConf
+    cannot read (control characters, an unclosed bracket) names its key."""
+    import yaml
+
+    key, _, value = item.partition("=")
+    try:
+        return OmegaConf.from_dotlist([item])
+    except (yaml.YAMLError, OmegaConfBaseException, ValueError) as err:
+        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(key, value, f"a YAML value (command line: {msg})") from None
+
+
 def load_config(argv: list[str] | None = None, *, default: bool = True) -> TrainConfig:
     """Defaults ← ``launch/configs/default.yaml`` (unless other presets are given) ← presets ← overrides."""
     files, overrides = parse_args(list(argv or []))
@@ -191,7 +208,8 @@ def load_config(argv: list[str] | None = None, *, default: bool = True) -> Train
             key, _, value = item.partition("=")
             if not key:
                 raise ConfigError(item, item, "key=value")
-        merged = _merge(merged, OmegaConf.from_dotlist(overrides), "command line")
+        for item in overrides:  # one at a time, so an error names the item's key
+            merged = _merge(merged, _parse_override(item), "command line", item)
     try:
         cfg: TrainConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:

@@ -13,7 +13,9 @@ from pathlib import Path
 class PromptSampler:
     """Deterministic epochs over the training problems: shuffled per epoch from ``seed``.
 
-    ``position`` (epoch, index) is the data position a checkpoint stores for exact resume.
+    ``position`` (epoch, index, requeued) is the data position a checkpoint stores for exact
+    resume. Problems handed back by ``requeue`` (``buffer.stale_policy=requeue``: their groups went
+    stale) open the next batches, before fresh draws.
     """
 
     def __init__(self, problems: list, per_step: int, seed: int):
@@ -21,7 +23,16 @@ class PromptSampler:
             raise ValueError("the task has no training problems (task.n_train?)")
         self.problems, self.per_step, self.seed = problems, per_step, seed
         self.epoch, self.index, self.drawn = 0, 0, 0   # drawn: batches handed out so far
+        self.requeued: list[int] = []                  # prompt_idx waiting to be drawn again
+        self._by_idx = {getattr(p, "idx", p): p for p in problems}
         self._order = self._shuffle(0)
+
+    def requeue(self, prompt_idx: list[int]) -> None:
+        """Draw these problems (their ``idx``, the rows' ``prompt_idx``) again, first."""
+        unknown = [i for i in prompt_idx if i not in self._by_idx]
+        if unknown:
+            raise ValueError(f"requeued prompt_idx {unknown[:5]} are not training problems")
+        self.requeued += [int(i) for i in prompt_idx]
 
     def _shuffle(self, epoch: int) -> list[int]:
         order = list(range(len(self.problems)))
@@ -29,7 +40,9 @@ class PromptSampler:
         return order
 
     def next(self) -> list:
-        out = []
+        take = self.requeued[:self.per_step]
+        self.requeued = self.requeued[self.per_step:]
+        out = [self._by_idx[i] for i in take]
         while len(out) < self.per_step:
             if self.index == len(self._order):
                 self.epoch, self.index = self.epoch + 1, 0
@@ -40,7 +53,8 @@ class PromptSampler:
         return out
 
     def position(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "drawn": self.drawn}
+        return {"epoch": self.epoch, "index": self.index, "drawn": self.drawn,
+                "requeued": list(self.requeued)}
 
     def restore(self, position: dict) -> None:
         """Continue from a ``position()`` (a checkpoint's): the same batches follow."""
@@ -49,6 +63,8 @@ class PromptSampler:
             raise ValueError(f"sampler position index {index} is outside the {len(self.problems)} "
                              "training problems: the checkpoint comes from another task config")
         self.epoch, self.index, self.drawn = epoch, index, int(position["drawn"])
+        self.requeued = []
+        self.requeue(position.get("requeued", []))  # older checkpoints have none
         self._order = self._shuffle(epoch)
 
 
@@ -86,6 +102,10 @@ def launch_rollouts(pools, sampler: PromptSampler, version: int) -> list[tuple]:
     With rollouts ahead (``pools.rollouts_ahead > 1``) each actor tags its rows with the version
     of the weights it holds when the call starts (it swaps in staged weights first): that version
     depends on timing, between ``version`` and the learner's version when the batch is gathered."""
+    if pools.requeue:  # buffer.stale_policy=requeue: stale groups' prompts are generated again
+        import ray
+
+        sampler.requeue(ray.get(pools.buffer.take_requeued.remote()))
     problems, batch = sampler.next(), sampler.drawn
     tag = _row_version(pools, version)
     return [(i, chunk, batch, pools.rollout[i].rollout.remote(chunk, tag, batch))
@@ -268,6 +288,8 @@ class MetricsLog:
         self.sinks = Sinks(run_dir, tensorboard=run is not None and run.tensorboard,
                            wandb=run is not None and run.wandb,
                            name=run_dir.name, config=config)
+        if run is not None and run.tensorboard:
+            print(f"[tensorboard] tensorboard --logdir {run_dir}", flush=True)
         self._bar = None
 
     def steps(self, first: int, last: int):

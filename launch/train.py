@@ -37,14 +37,21 @@ def main(argv: list[str]) -> dict:
     task = make_task(cfg.task)
     train, evals, overlong = task_prompts(task, encoder, cfg.run.eval_problems, cfg.task.eval_sets)
 
-    # A fresh folder per run, so a second run never mixes with (or deletes) an earlier one's files.
+    # 3. Ray (in-process on 127.0.0.1 unless cluster.address is set); pools a local Ray can never
+    # place stop here. SIGTERM ends the run at once until the first step, then checkpoints.
+    from cluster.resources import check_plan
+    from cluster.ray_setup import start_ray
+
     run_dir = Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    ray = start_ray(cfg.cluster, run_dir)
+    check_plan(cfg, ray)
+    stop = checkpoint.StopRequest()
+    # A fresh folder per run, so a second run never mixes with (or deletes) an earlier one's files.
     run_dir.mkdir(parents=True, exist_ok=False)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
     from buffer.tensors import to_tensors
     from cluster.pools import broadcast_weights, build_pools, connect_weight_sync, on_learners
-    from cluster.ray_setup import start_ray
     from launch.steps import (MetricsLog, PromptSampler, batch_metrics, buffer_depth, evaluate_sets,
                               fill_rollouts, gather_rollouts, land_rollouts, score_pending,
                               sync_weights)
@@ -52,14 +59,9 @@ def main(argv: list[str]) -> dict:
 
     t_start = time.time()
     log = MetricsLog(run_dir, cfg.run)  # + TensorBoard (run.tensorboard), wandb, Ray gauges
-    if cfg.run.tensorboard:
-        print(f"[tensorboard] tensorboard --logdir {run_dir}", flush=True)
     sampler = PromptSampler(train, cfg.run.prompts_per_step, cfg.run.seed)
 
-    # 3. Ray (in-process on 127.0.0.1 unless cluster.address is set) and the actor pools.
-    ray = start_ray(cfg.cluster, run_dir)
-    pools = build_pools(cfg, str(run_dir))
-    stop = checkpoint.StopRequest()  # SIGTERM: checkpoint after the current step, then exit
+    pools = build_pools(cfg, str(run_dir))  # waits for every actor: cluster.placement_timeout_s
 
     # 4. Resuming: learners (weights, optimiser, RNG), buffer rows and data position come back.
     # Then one broadcast group, separate from DeepSpeed's: learner rank 0 -> rollout + scorer actors.
@@ -83,6 +85,7 @@ def main(argv: list[str]) -> dict:
     overlap = cfg.run.mode == RunMode.async_
     in_flight = deque([] for _ in range(state["in_flight"]))  # batches a checkpoint landed
     fill_rollouts(in_flight, pools, sampler, version, cfg.run.steps)  # resumed: landed ones count
+    stop.steps_started()  # SIGTERM from now on: checkpoint after the current step, then exit
     for step in log.steps(state["step"] + 1, cfg.run.steps):  # a bar on a terminal
         t0 = time.time()
         # 6a. Sparse rollouts: G samples per prompt, sampler log-probs, rewards, policy version.

@@ -1,6 +1,7 @@
 """Prompt/answer datasets from JSONL or Parquet files, scored with the math verifier.
 
-JSONL is parsed line by line with ``json`` so that a malformed row names its exact line; Parquet is
+JSONL is read as bytes and parsed line by line with ``json`` so that a malformed row (bad UTF-8
+or bad JSON) names its exact line and column; Parquet is
 read through ``pyarrow.parquet`` and a row's "line" is its 1-based row number. A malformed row (bad
 JSON, not an object, missing or empty field, GSM8K solution without ``#### N``) raises DataError
 naming file and line, or is skipped and counted when ``skip_malformed`` is set.
@@ -42,14 +43,25 @@ def iter_rows(path: Path, fmt: DataFormat) -> Iterator[tuple[int, object]]:
         for i, row in enumerate(table.to_pylist(), start=1):
             yield i, row
         return
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, start=1):
+    # Bytes, decoded line by line: invalid UTF-8 is then one malformed row (file:line, skippable)
+    # instead of an exception out of the file iterator that ends the whole file.
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                bad = f"byte {raw[e.start]:#04x} at byte column {e.start + 1}"
+                yield i, DataError(str(path), f"invalid UTF-8 ({bad})", i)
+                continue
+            line = line.rstrip("\r\n")  # a kept newline would move JSON's column past the line
             if not line.strip():
                 continue  # blank lines (e.g. a trailing newline) carry no row
             try:
                 yield i, json.loads(line)
-            except json.JSONDecodeError as e:
-                yield i, DataError(str(path), f"invalid JSON ({e.msg} at column {e.colno})", i)
+            except (ValueError, RecursionError) as e:  # also: nested too deeply, huge integers
+                why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) \
+                    else str(e) or type(e).__name__
+                yield i, DataError(str(path), f"invalid JSON ({why})", i)
 
 
 def parse_row(row: object, cfg: TaskConfig, path: Path, line: int) -> tuple[str, str]:

@@ -11,7 +11,7 @@ def test_sampler_is_deterministic_and_covers_epoch():
     assert first == b.next() + b.next()
     rest = a.next()  # crosses into epoch 1
     assert sorted(first + rest[:2]) == items
-    assert a.position() == {"epoch": 1, "index": 2, "drawn": 3}
+    assert a.position() == {"epoch": 1, "index": 2, "drawn": 3, "requeued": []}
     c = PromptSampler(items, 4, seed=3)
     c.restore(a.position())  # a resumed run continues with the very same batches
     assert [c.next() for _ in range(4)] == [a.next() for _ in range(4)] and c.drawn == a.drawn == 7
@@ -41,7 +41,8 @@ def test_fill_rollouts_keeps_s_in_flight_counts_landed_ones_and_stops_at_the_las
             return f"ref{batch}"
 
     def pools(ahead):
-        return SimpleNamespace(rollout=[SimpleNamespace(rollout=Method())], rollouts_ahead=ahead)
+        return SimpleNamespace(rollout=[SimpleNamespace(rollout=Method())], rollouts_ahead=ahead,
+                               requeue=False)
 
     sampler = PromptSampler(list(range(10)), 2, seed=0)
     q = deque()

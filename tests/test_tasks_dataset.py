@@ -207,3 +207,24 @@ def test_eval_sets_read_their_own_fields_format_and_template(tmp_path):
         make_task(TaskConfig(name="dataset", path=str(train),
                              eval_sets=[EvalSetConfig(name="m", path="p", prompt_template="x")]))
     assert e.value.key == "task.eval_sets.0.prompt_template"
+
+
+def test_invalid_utf8_names_file_and_line_and_is_skippable(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    good = json.dumps({"prompt": "1+1", "label": "2"}).encode()
+    path.write_bytes(good + b"\n" + b'{"prompt": "caf\xe9", "label": "3"}\n' + good + b"\n")
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: invalid UTF-8 \(byte 0xe9 at byte column 16"):
+        make_task(_cfg(path, n_heldout=0)).problems("train")
+    task = make_task(_cfg(path, n_heldout=0, skip_malformed=True))
+    assert len(task.problems("train")) == 2 and task.n_skipped == 1
+    assert "bad.jsonl:2: invalid UTF-8" in task.skipped[0]
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n", ""])
+def test_malformed_json_column_is_within_the_line(tmp_path, newline):
+    path = tmp_path / "cut.jsonl"
+    line = '{"prompt": "1+1", "label": "2"'   # 30 characters, the closing brace missing
+    path.write_text(json.dumps({"prompt": "a", "label": "b"}) + "\n" + line + newline)
+    with pytest.raises(DataError, match=r"cut\.jsonl:2: invalid JSON \(Expecting ',' delimiter "
+                                        r"at column 31\)"):
+        make_task(_cfg(path, n_heldout=0)).problems("train")

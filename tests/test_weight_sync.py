@@ -296,3 +296,18 @@ def test_full_shared_memory_falls_back_to_tcp(monkeypatch):
     assert s.send(net.named_parameters(), 9)["transport"] == "gloo"
     th.join(30)
     assert got == [9]
+
+
+def test_failed_formation_leaves_no_shm_ring():
+    """A receiver that never joins: the sender's formation times out, and the same-machine ring it
+    created for the group is unlinked, not left in /dev/shm."""
+    import glob
+    import os
+
+    pattern = f"/dev/shm/sparse-rl-weights-{os.getpid()}-*"
+    before = set(glob.glob(pattern))
+    net = _Net(0)
+    with pytest.raises(Exception) as err:
+        WeightSender("127.0.0.1", free_port(), 2, weight_spec(net), bucket_bytes=256, timeout_s=1)
+    assert "timeout" in str(err.value).lower() or "timed out" in str(err.value).lower()
+    assert set(glob.glob(pattern)) == before

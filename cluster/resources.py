@@ -1,0 +1,102 @@
+"""Can the cluster ever hold the actors the config asks for? Checked right after Ray starts.
+
+Ray queues an actor it cannot place and a ``ray.get`` on it waits forever (with Ray logging "No
+available node types can fulfill resource request"). So, before any actor exists, ``check_plan``
+sums each pool's request (``cluster.<pool>_cpus/_gpus/_resources`` x its actor count) and compares
+it with the cluster's *total* resources (``ray.cluster_resources()``, not what is free now):
+
+- a local Ray (``cluster.address`` unset) never grows: a shortfall is a ConfigError naming the key,
+  the resource, what the pools need and what the cluster has;
+- a joined cluster may autoscale (KubeRay): a shortfall is printed and the run goes on, bounded by
+  ``cluster.placement_timeout_s`` (``wait_placed``), after which the unplaced actors are named.
+"""
+from __future__ import annotations
+
+from common.errors import ConfigError
+
+# Ray's resource names for the per-pool cpus/gpus keys
+CPU, GPU = "CPU", "GPU"
+
+
+def plan(cfg) -> dict[str, tuple[int, dict[str, float]]]:
+    """{pool: (actor count, resources per actor)} as ``cluster.pools.build_pools`` requests them."""
+    c = cfg.cluster
+
+    def per_actor(pool: str, extra: dict | None = None) -> dict[str, float]:
+        res = {CPU: float(getattr(c, f"{pool}_cpus"))}
+        gpus = float(getattr(c, f"{pool}_gpus", 0.0))
+        if gpus:
+            res[GPU] = gpus
+        res.update({k: float(v) for k, v in (extra or {}).items()})
+        return res
+
+    return {"learner": (cfg.learner.num_learners, per_actor("learner", c.learner_resources)),
+            "rollout": (cfg.rollout.num_actors, per_actor("rollout", c.rollout_resources)),
+            "scorer": (cfg.scorer.num_actors, per_actor("scorer", c.scorer_resources)),
+            "buffer": (1, per_actor("buffer"))}
+
+
+def shortfalls(cfg, total: dict[str, float]) -> list[tuple[str, str, float, float, str]]:
+    """(config key, resource, needed, cluster total, per-pool breakdown) for every resource the
+    pools need more of, in all, than ``total`` holds."""
+    pools = plan(cfg)
+    out = []
+    for res in sorted({r for _, req in pools.values() for r in req}):
+        parts = [(pool, n, req[res]) for pool, (n, req) in pools.items() if req.get(res)]
+        need = sum(n * each for _, n, each in parts)
+        have = float(total.get(res, 0.0))
+        if need > have + 1e-9:
+            out.append((_key(cfg, res, parts), res, need, have,
+                        ", ".join(f"{pool} {n} x {each:g}" for pool, n, each in parts)))
+    return out
+
+
+def _key(cfg, res: str, parts) -> str:
+    """The key to change: a local Ray's size for CPUs, else the largest pool's request."""
+    if res == CPU and not cfg.cluster.address:
+        return "cluster.num_cpus"
+    pool = max(parts, key=lambda p: p[1] * p[2])[0]
+    suffix = {CPU: "cpus", GPU: "gpus"}.get(res, "resources")
+    return f"cluster.{pool}_{suffix}"
+
+
+def check_plan(cfg, ray) -> None:
+    """ConfigError when a local Ray can never place the pools; a printed warning on a joined
+    cluster (it may autoscale). Call after ``start_ray``, before ``build_pools``."""
+    short = shortfalls(cfg, ray.cluster_resources())
+    if not short:
+        return
+    key, res, need, have, parts = short[0]
+    what = f"{res} {need:g} in all ({parts}); the cluster has {have:g} in total"
+    if not cfg.cluster.address:
+        value = cfg.cluster.num_cpus if key == "cluster.num_cpus" else _value(cfg, key, res)
+        raise ConfigError(key, value, f"a plan this local Ray can place: the pools need {what}")
+    print(f"[resources] the pools need {what}; waiting up to cluster.placement_timeout_s="
+          f"{cfg.cluster.placement_timeout_s:g} s for the cluster to grow", flush=True)
+
+
+def _value(cfg, key: str, res: str):
+    value = getattr(cfg.cluster, key.split(".", 1)[1])
+    return value.get(res) if isinstance(value, dict) else value
+
+
+def wait_placed(named_actors: list[tuple[str, object]], timeout_s: float) -> None:
+    """Wait until every actor's constructor has run; ConfigError naming the ones still waiting
+    after ``timeout_s`` (``cluster.placement_timeout_s``), so an unplaceable actor is not waited
+    on forever. ``named_actors``: (pool/index, actor handle)."""
+    import ray
+
+    refs = {a.__ray_ready__.remote(): name for name, a in named_actors}
+    ready, waiting = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    ray.get(ready)  # a constructor that raised surfaces here, as itself
+    if waiting:
+        names = ", ".join(refs[r] for r in waiting)
+        raise ConfigError("cluster.placement_timeout_s", timeout_s,
+                          f"enough for every actor to start; still not placed: {names} (free now: "
+                          f"{_brief(ray.available_resources())})")
+
+
+def _brief(res: dict) -> dict:
+    """CPU, GPU and custom resources (not Ray's per-node and memory entries)."""
+    skip = ("node:", "memory", "object_store_memory", "accelerator_type:")
+    return {k: round(v, 3) for k, v in sorted(res.items()) if not k.startswith(skip)}
