@@ -140,6 +140,7 @@ class RolloutActor:
                 "kept_ratio": float(out.kept_ratio), "prompt_len": len(out.prompt_ids),
                 "response_len": len(out.response_ids), "finish_reason": out.finish_reason,
                 "gen_time_s": elapsed / max(1, len(outs)), "logprob_mode": params.logprob_mode,
+                "peak_kv_bytes": int(out.peak_kv_bytes),
             })
             if dense is not None:
                 rows[-1]["dense_sampler_logprobs"] = dense[j]

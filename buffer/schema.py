@@ -45,6 +45,9 @@ SCHEMA = pa.schema([
     # pi_dense^v: dense log-probs under the sampler's own weights (rollout.dense_logprobs), for
     # the staleness split; null when not computed. Last, so older segments are a prefix (upgrade).
     pa.field("dense_sampler_logprobs", LP),
+    # most KV bytes the engine stored for this sequence (all layers, K and V); null in segments
+    # written before it was recorded
+    pa.field("peak_kv_bytes", pa.int64()),
 ])
 
 LOG_SCHEMA = pa.schema([

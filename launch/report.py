@@ -23,7 +23,7 @@ PANELS = [
     ("mismatch k3", [("mismatch/k3", "-")]),
     ("rejected (-) / vetoed (--) fraction", [("correction/frac_rejected", "-"),
                                              ("correction/frac_vetoed", "--")]),
-    ("KV kept vs dense (kept_ratio)", [("kept_ratio", "-")]),
+    ("rollout KV bytes per sequence (peak)", [("rollout/kv_bytes_per_seq", "-")]),
     ("rollout tokens/s (per actor, engine time)", [("rollout/tokens_per_s", "-")]),
     ("staleness (mean lag, versions)", [("batch/staleness_mean", "-")]),
     ("buffer depth (live rows)", [("buffer/live_rows", "-")]),
@@ -36,6 +36,7 @@ TABLE = [("reward (last)", "reward", "last"),
          ("rejected (mean)", "correction/frac_rejected", "mean"),
          ("vetoed (mean)", "correction/frac_vetoed", "mean"),
          ("KV kept (mean)", "kept_ratio", "mean"),
+         ("KV bytes/seq (mean)", "rollout/kv_bytes_per_seq", "mean"),
          ("tokens/s (mean)", "rollout/tokens_per_s", "mean"),
          ("staleness (mean)", "batch/staleness_mean", "mean")]
 

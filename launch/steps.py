@@ -205,7 +205,9 @@ def sync_weights(pools, cfg) -> tuple[int, dict]:
 
 
 def batch_metrics(batch, learner_version: int) -> dict:
-    """Reward, lengths, kept ratio and staleness of a training batch; checks log-prob lengths.
+    """Reward, lengths, kept ratio, KV bytes and staleness of a training batch; checks log-prob
+    lengths. ``rollout/kv_bytes_per_seq``: the mean over rows of the most KV bytes the engine
+    stored for the sequence (all layers, K and V).
     ``time/rollout_gen_s``: engine seconds that generated the batch, summed over rollout actors
     (each row carries its share of its engine call); ``rollout/tokens_per_s``: response tokens per
     engine second, i.e. one actor's generation throughput. (The driver's wait for a batch is no
@@ -225,6 +227,9 @@ def batch_metrics(batch, learner_version: int) -> dict:
     gen_s = float(pc.sum(batch.column("gen_time_s")).as_py() or 0.0)
     out.update({"batch/response_tokens": tokens, "time/rollout_gen_s": gen_s,
                 "rollout/tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0})
+    kv = pc.mean(batch.column("peak_kv_bytes")).as_py()  # rows of older segments: null
+    if kv is not None:
+        out["rollout/kv_bytes_per_seq"] = float(kv)
     return out
 
 

@@ -155,8 +155,13 @@ def test_batch_metrics_rollout_throughput_from_engine_time():
     batch = pa.table({"reward": [1.0, 0.0], "response_len": [3, 5], "kept_ratio": [0.5, 1.0],
                       "sampler_logprobs": [[0.0] * 3, [0.0] * 5],
                       "old_logprobs": [[0.0] * 3, [0.0] * 5], "policy_version": [1, 1],
-                      "gen_time_s": [0.25, 0.25]})   # each row's share of one 0.5 s engine call
+                      "gen_time_s": [0.25, 0.25],    # each row's share of one 0.5 s engine call
+                      "peak_kv_bytes": [1000, 3000]})
     m = batch_metrics(batch, 2)
+    assert m["rollout/kv_bytes_per_seq"] == 2000.0
+    old_rows = batch.set_column(batch.schema.get_field_index("peak_kv_bytes"), "peak_kv_bytes",
+                                pa.nulls(2, pa.int64()))   # segments written before the column
+    assert "rollout/kv_bytes_per_seq" not in batch_metrics(old_rows, 2)
     assert m["batch/response_tokens"] == 8 and m["time/rollout_gen_s"] == pytest.approx(0.5)
     assert m["rollout/tokens_per_s"] == pytest.approx(16.0)
     assert m["reward"] == 0.5 and m["batch/staleness_max"] == 0

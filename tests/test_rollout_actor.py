@@ -16,7 +16,7 @@ from tasks.base import Problem
 torch.set_num_threads(1)
 ROW_KEYS = {"sample_id", "group_id", "prompt_idx", "prompt_ids", "response_ids", "sampler_logprobs",
             "reward", "policy_version", "kv_policy", "kv_budget", "kept_ratio", "prompt_len",
-            "response_len", "finish_reason", "gen_time_s", "logprob_mode"}
+            "response_len", "finish_reason", "gen_time_s", "logprob_mode", "peak_kv_bytes"}
 
 
 class ContainsAnswer:
@@ -47,6 +47,7 @@ def test_rollout_rows(model_dir):
                                               sink_tokens=2))
     rows = actor.rollout(PROBLEMS, version=4)
     assert len(rows) == 9 and all(set(r) == ROW_KEYS for r in rows)
+    assert all(r["peak_kv_bytes"] > 0 for r in rows)
     assert len({r["sample_id"] for r in rows}) == 9 and len({r["group_id"] for r in rows}) == 3
     for j, r in enumerate(rows):
         assert r["prompt_idx"] == PROBLEMS[j // 3].idx
