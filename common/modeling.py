@@ -62,7 +62,9 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     head = model.get_output_embeddings()
     grad = torch.is_grad_enabled() and h.requires_grad
     lps, ents = [], []
-    n_chunks = max(-(-h.shape[0] // chunk_tokens), int(min_chunks))
+    # with gradients, at least one (possibly empty) chunk: a micro-batch whose every token was
+    # rejected still needs a loss connected to the graph (DeepSpeed backpropagates every one)
+    n_chunks = max(-(-h.shape[0] // chunk_tokens), int(min_chunks), int(grad))
     for a in range(0, n_chunks * chunk_tokens, chunk_tokens):
         args = (head, h[a:a + chunk_tokens], targets[a:a + chunk_tokens], float(temperature),
                 with_entropy)

@@ -142,6 +142,26 @@ def test_micro_slices_pack_by_rows_and_tokens():
     assert [m.total for m in minis] == [10.0, 2.0]
 
 
+def test_a_micro_batch_with_every_token_rejected_still_steps(model_dir, batch):
+    """Rows 0-3 (one micro-batch of 4) are all vetoed, the rest are kept: the vetoed micro-batch
+    computes no log-prob, yet its loss must stay a graph DeepSpeed can backpropagate (it failed
+    with 'loss must be a scalar tensor' at KV budget 16, where most sequences are vetoed); the
+    update equals the one without those rows."""
+    b = dict(batch)
+    vetoed = torch.zeros_like(b["response_mask"], dtype=torch.bool)
+    vetoed[:4] = b["response_mask"][:4].bool()
+    b["sampler_logprobs"] = b["sampler_logprobs"] + 30.0 * vetoed   # rho ~ e^-30 < 1e-4: vetoed
+    lrn = _learner(model_dir, zero_stage=0, grad_clip=0.0, micro_batch_size=4)
+    m = train(lrn, b)
+    assert m["learner/stepped"] == 1.0 and m["learner/micro_batches"] == 3
+    assert m["correction/frac_vetoed"] == pytest.approx(4 / 12)
+    rest = {k: v[4:] for k, v in batch.items()}
+    ref = _learner(model_dir, zero_stage=0, grad_clip=0.0, micro_batch_size=4)
+    train(ref, rest)
+    for (n, x), (_, y) in zip(lrn.named_weights(), ref.named_weights()):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=2e-5)
+
+
 def test_nothing_kept_means_no_update(model_dir, batch):
     lrn = _learner(model_dir, zero_stage=1)
     b = dict(batch)
