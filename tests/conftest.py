@@ -75,3 +75,19 @@ def local_ray(tmp_path, monkeypatch):
     ray = start_ray(ClusterConfig(), tmp_path)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture()
+def preset_task(monkeypatch):
+    """``load(name) -> (cfg, task)`` for a preset of ``launch/configs`` whose data file lies in
+    ../shared/data (read from the repo root, as train.py does); skipped where it is absent."""
+    from launch.config import CONFIG_DIR, load_config
+    from tasks import make_task
+
+    def load(name: str):
+        cfg = load_config(["--config", str(CONFIG_DIR / f"{name}.yaml")])
+        if not (REPO / cfg.task.path).is_file():
+            pytest.skip(f"{cfg.task.path} is not beside this checkout")
+        monkeypatch.chdir(REPO)
+        return cfg, make_task(cfg.task)
+    return load

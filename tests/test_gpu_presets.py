@@ -5,14 +5,10 @@ the recipe's numbers, the stated GPU split, and that the evaluation sets load fr
 with the same prompt format as the training file."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from launch.config import CONFIG_DIR, load_config
-from tasks import make_task
 
-REPO = Path(__file__).resolve().parent.parent
 PRESETS = ["qwen2.5-1.5b-math", "qwen2.5-3b-math", "qwen2.5-7b-math", "llama3.2-1b-instruct-math"]
 
 
@@ -38,12 +34,8 @@ def test_gpu_preset_is_the_paper_recipe(name):
     assert split in text and f"learner {lrn.num_learners} x 1 GPU" in text
 
 
-def test_gpu_preset_eval_sets_load_in_the_training_format(monkeypatch):
-    cfg = load_config(["--config", str(CONFIG_DIR / "qwen2.5-1.5b-math.yaml")])
-    if not (REPO / cfg.task.path).is_file():
-        pytest.skip(f"{cfg.task.path} is not beside this checkout")
-    monkeypatch.chdir(REPO)
-    task = make_task(cfg.task)
+def test_gpu_preset_eval_sets_load_in_the_training_format(preset_task):
+    _, task = preset_task("qwen2.5-1.5b-math")
     math500, gsm8k = task.eval_set("math500"), task.eval_set("gsm8k")
     assert len(math500) == 500 and len(gsm8k) == 1319
     train = task.problems("train")[0].prompt
