@@ -82,28 +82,46 @@ def shard_batch(tensors: dict, n: int) -> list[dict]:
     return out
 
 
+def combine_weighted(parts: list[tuple[float, dict]]) -> dict[str, float]:
+    """Fold metric dicts, each with a weight (its loss units: kept tokens or sequences): counts
+    (``num_``) summed, ``*_max`` maxed, the rest averaged by weight over the dicts holding the key
+    (the first one's value where those weigh nothing). Micro-batches into a rank's metrics,
+    ranks into a step's."""
+    out: dict[str, float] = {}
+    for k in dict.fromkeys(k for _, m in parts for k in m):
+        have = [(w, float(m[k])) for w, m in parts if k in m]
+        vals = [v for _, v in have]
+        total = sum(w for w, _ in have)
+        if "num_" in k:
+            out[k] = sum(vals)
+        elif k.endswith("_max"):
+            out[k] = max(vals)
+        else:
+            out[k] = sum(w * v for w, v in have) / total if total > 0 else vals[0]
+    return out
+
+
 def reduce_metrics(per_rank: list[dict]) -> dict[str, float]:
     """One record from every learner rank's ``train_step`` metrics.
 
-    Counts (``num_``, ``learner/rows``, ``learner/*_tokens``) are summed, ``*_max`` maxed,
-    ``time/*`` maxed (the step waits for the slowest rank), ``loss*`` averaged weighted by each
-    rank's share of the loss units (``learner/loss_units``); the rest (grad norm, lr, version,
-    optimiser steps: equal on every rank after DeepSpeed's all-reduce) is rank 0's.
+    ``loss*`` by ``combine_weighted`` with each rank's loss units (``learner/loss_units``);
+    learner counts (``learner/rows``, ``learner/*_tokens``, the units) summed, ``time/*`` maxed
+    (the step waits for the slowest rank); the rest (grad norm, lr, version, optimiser steps:
+    equal on every rank after DeepSpeed's all-reduce) is rank 0's.
     """
-    first = per_rank[0]
     units = [float(m.get("learner/loss_units", 0.0)) for m in per_rank]
-    total = sum(units)
+    loss = combine_weighted([(u, {k: v for k, v in m.items() if k.startswith("loss")})
+                             for u, m in zip(units, per_rank)])
     out: dict[str, float] = {}
-    for k, v in first.items():
+    for k, v in per_rank[0].items():
         vals = [float(m[k]) for m in per_rank if k in m]
-        if "num_" in k or k in ("learner/rows", "learner/loss_units") or \
+        if k.startswith("loss"):
+            out[k] = loss[k]
+        elif k in ("learner/rows", "learner/loss_units") or \
                 (k.startswith("learner/") and k.endswith("_tokens")):
             out[k] = sum(vals)
-        elif k.endswith("_max") or k.startswith("time/"):
+        elif k.startswith("time/"):
             out[k] = max(vals)
-        elif k.startswith("loss"):
-            out[k] = (sum(u * float(m.get(k, 0.0)) for u, m in zip(units, per_rank)) / total
-                      if total > 0 else float(v))
         else:
             out[k] = float(v)
     return out

@@ -39,7 +39,7 @@ import torch
 
 from common.dtypes import Dtype, torch_dtype
 from common.modeling import checksum_of_sums, load_model, token_logprobs
-from learner.batch import PREPARED
+from learner.batch import PREPARED, combine_weighted
 from learner.config import LearnerConfig, LRSchedule
 
 
@@ -140,22 +140,6 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]  # ZeRO drops empty groups; the LR schedule must not
-
-
-def _combine_loss_metrics(parts: list[tuple[float, float, dict]]) -> dict[str, float]:
-    """This rank's loss/* over its micro-batches: counts summed, maxima maxed, the rest averaged
-    with each micro-batch's share of the kept units (so ``loss`` is the shard's aggregated loss)."""
-    out: dict[str, float] = {"loss": 0.0}
-    for w, loss, m in parts:
-        out["loss"] += w * loss
-        for k, v in m.items():
-            if "num_" in k:
-                out[k] = out.get(k, 0.0) + v
-            elif k.endswith("_max"):
-                out[k] = max(out.get(k, v), v)
-            else:
-                out[k] = out.get(k, 0.0) + w * v
-    return out
 
 
 def _check_no_dropout(model: torch.nn.Module) -> None:
@@ -277,7 +261,7 @@ class Learner:
                 micro += len(mb.slices)
         self.version += 1
         units = sum(u for u, _, _ in parts)
-        metrics = _combine_loss_metrics([(u / units if units else 0.0, l, m) for u, l, m in parts])
+        metrics = {"loss": 0.0, **combine_weighted([(u, {"loss": l, **m}) for u, l, m in parts])}
         resp = tensors["response_mask"]
         metrics.update({
             "grad_norm": sum(norms) / len(norms) if norms else 0.0,

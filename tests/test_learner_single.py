@@ -262,3 +262,17 @@ def test_checkpoint_resume_continues_exactly(model_dir, batch, tmp_path, stage):
     assert b.version == a.version == 2
     for (n, x), (_, y) in zip(a.named_weights(), b.named_weights()):
         assert torch.equal(x, y), n
+
+
+def test_combine_weighted_closed_form():
+    from learner.batch import combine_weighted, reduce_metrics
+
+    parts = [(3.0, {"loss": 1.0, "loss/num_kept_tokens": 3.0, "loss/ratio_max": 1.1}),
+             (1.0, {"loss": 5.0, "loss/num_kept_tokens": 1.0, "loss/ratio_max": 1.3}),
+             (0.0, {"loss/extra": 7.0})]                      # weighs nothing: its own value
+    assert combine_weighted(parts) == {"loss": 2.0, "loss/num_kept_tokens": 4.0,
+                                       "loss/ratio_max": 1.3, "loss/extra": 7.0}
+    ranks = [{"loss": 1.0, "learner/loss_units": 3.0, "time/train_s": 2.0, "lr": 0.1},
+             {"loss": 5.0, "learner/loss_units": 1.0, "time/train_s": 3.0, "lr": 0.1}]
+    assert reduce_metrics(ranks) == {"loss": 2.0, "learner/loss_units": 4.0, "time/train_s": 3.0,
+                                     "lr": 0.1}
