@@ -20,3 +20,8 @@ class DataError(ValueError):
         self.path, self.line = path, line
         where = f"{path}:{line}" if line is not None else str(path)
         super().__init__(f"{where}: {message}")
+
+
+class TrainingFault(RuntimeError):
+    """Training cannot go on safely: too many consecutive skipped steps (non-finite inputs, loss
+    or gradients), or weights that are no longer finite. The message names the cause."""

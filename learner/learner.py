@@ -40,6 +40,8 @@ import torch
 from common.dtypes import Dtype, torch_dtype
 from common.modeling import checksum_of_sums, load_model, token_logprobs
 from learner.batch import PREPARED, combine_weighted
+from learner.guard import (GRAD, LOSS, discard_grads, nonfinite_optimizer_state,
+                           nonfinite_weight, step_fault)
 from learner.config import LearnerConfig, LRSchedule
 
 
@@ -228,7 +230,9 @@ class Learner:
         Every rank must call it (collectives inside). Returns this rank's float metrics: loss and
         loss/* (kept-unit weighted over its micro-batches; ``learner.batch.reduce_metrics``
         combines ranks), grad_norm (mean over optimiser steps), lr, counts, time; ``version``
-        after the step.
+        after the step. A mini-batch whose loss or gradients are not finite on any rank is not
+        stepped (``learner.guard``): ``learner/skipped_steps``, by cause ``learner/skipped_loss``
+        and ``learner/skipped_grad``; its losses stay out of the loss metrics.
         """
         from learner.plan import plan
 
@@ -242,23 +246,33 @@ class Learner:
                      self.cfg.mini_batches, self.cfg.micro_batch_size,
                      self.cfg.max_tokens_per_micro_batch,
                      self._all_reduce if self.world_size > 1 else None)
-        parts, norms, micro = [], [], 0
+        parts, norms, micro, skipped = [], [], 0, {LOSS: 0, GRAD: 0}
         for _ in range(self.cfg.epochs):
             for mb in minis:
                 if mb.total <= 0:  # global, so every rank skips it: no kept token anywhere (Adam
                     continue       # would still move the weights on zero gradients)
                 chunks = self._lm_head_chunks(tensors, keep, mb)
+                mb_parts = []
                 for i, (sl, unit) in enumerate(zip(mb.slices, mb.units)):
                     self.engine.set_gradient_accumulation_boundary(i == len(mb.slices) - 1)
                     share = unit * self.world_size / mb.total
                     loss, m = self._micro_step(tensors, sl, temperature, share, chunks[i])
                     if unit > 0:  # padding micro-batches (and all-rejected ones) report nothing
-                        parts.append((unit, float(loss), m))
+                        mb_parts.append((unit, float(loss), m))
+                micro += len(mb.slices)
+                # a non-finite loss or gradient on any rank: no rank steps (learner/guard.py)
+                fault = step_fault(all(math.isfinite(x) for _, x, _ in mb_parts), self.engine,
+                                   int(self.cfg.zero_stage),
+                                   self._all_reduce if self.world_size > 1 else None)
+                if fault is not None:
+                    discard_grads(self.engine, int(self.cfg.zero_stage))
+                    skipped[fault] += 1
+                    continue
+                parts += mb_parts
                 own_norm = self._plain_grad_norm()
                 self.engine.step()
                 norm = self.engine.get_global_grad_norm()
                 norms.append(float(own_norm if norm is None or norm == 0 else norm))
-                micro += len(mb.slices)
         self.version += 1
         units = sum(u for u, _, _ in parts)
         metrics = {"loss": 0.0, **combine_weighted([(u, {"loss": l, **m}) for u, l, m in parts])}
@@ -267,6 +281,8 @@ class Learner:
             "grad_norm": sum(norms) / len(norms) if norms else 0.0,
             "lr": float(self.scheduler.get_last_lr()[0]), "version": float(self.version),
             "learner/stepped": float(bool(norms)), "learner/optimizer_steps": float(len(norms)),
+            "learner/skipped_steps": float(sum(skipped.values())),
+            "learner/skipped_loss": float(skipped[LOSS]), "learner/skipped_grad": float(skipped[GRAD]),
             "learner/micro_batches": float(micro), "learner/rows": float(resp.shape[0]),
             "learner/response_tokens": float(resp.sum()), "learner/kept_tokens": float(keep.sum()),
             "learner/loss_units": float(units), "time/train_s": time.time() - t0})
@@ -310,7 +326,8 @@ class Learner:
 
     def _micro_step(self, tensors, sl, temperature, share, min_chunks):
         """Forward + PPO loss + backward on rows ``sl``, trimmed to their longest sequence;
-        log-probs only at kept tokens (the loss reads nothing else)."""
+        log-probs only at kept tokens (the loss reads nothing else). The loss is NaN when the
+        forward's log-probs (or entropies) were not finite."""
         from correction import policy_loss
 
         dev = self.engine.device
@@ -326,6 +343,13 @@ class Learner:
                           response_mask=keep, with_entropy=cc.loss.entropy_coef > 0,
                           chunk_tokens=self.cfg.logprob_chunk_tokens, min_chunks=min_chunks)
         new_logp, entropy = out if cc.loss.entropy_coef > 0 else (out, None)
+        # a forward that blew up: the loss is refused below (learner.guard), but this backward
+        # must still run, on finite numbers, to keep ZeRO's collectives in step with other ranks
+        finite = all(x is None or bool(torch.isfinite(x[keep.bool()]).all())
+                     for x in (new_logp, entropy))
+        if not finite:
+            new_logp, entropy = (None if x is None else torch.nan_to_num(x, 0.0, 0.0, 0.0)
+                                 for x in (new_logp, entropy))
         ref = tensors.get("ref_logprobs")
         loss, m = policy_loss(new_logp, cut(tensors["old_logprobs"]).float(),
                               tensors["advantages"][sl].to(dev), cut(tensors["is_weights"]), keep,
@@ -333,7 +357,7 @@ class Learner:
                               entropy=entropy)
         # scale_wrt_gas=False: the share already normalises over every micro-batch of every rank
         self.engine.backward(loss * share, scale_wrt_gas=False)
-        return loss.detach(), m
+        return (loss.detach() if finite else torch.tensor(float("nan"))), m
 
     # ---- weights (ZeRO-3: collectives, every rank calls them) ------------------------------
 
@@ -377,12 +401,32 @@ class Learner:
         """``common.modeling.checksum`` of the full weights (ZeRO-3: a collective)."""
         return checksum_of_sums(self._abs_sums())
 
+    def check_finite(self, optimizer: bool = True, collective: bool = True) -> None:
+        """Raise ``TrainingFault`` naming a tensor when a weight (and, with ``optimizer``, an
+        optimiser master weight or moment) of this rank is NaN or inf, so nothing is ever saved
+        from poisoned weights. ``collective``: every rank calls it and all take the decision
+        together (a rank whose own partition is clean must not go on into a save's collectives)."""
+        from common.errors import TrainingFault
+
+        bad = nonfinite_weight(self._params)
+        if bad is None and optimizer:
+            bad = nonfinite_optimizer_state(self.optimizer)
+        flag = torch.tensor([float(bad is not None)], dtype=torch.float64)
+        if collective and self.world_size > 1:
+            flag = self._all_reduce(flag, "max")
+        if flag[0] > 0:
+            where = f"{bad!r} on learner rank {self.rank}" if bad else "another learner rank"
+            raise TrainingFault(f"refusing to save: non-finite weights or optimiser state "
+                                f"({where}) at policy version {self.version}")
+
     def save_hf(self, path: str) -> str | None:
         """Rank 0 writes an HF model directory (safetensors, config, generation config and the
         tokenizer through ``save_pretrained``, so it is a complete ``model_path``); under ZeRO-3
-        every rank must call it (the weights are gathered). Returns the path on rank 0."""
+        every rank must call it (the weights are gathered). Returns the path on rank 0.
+        Refuses (``check_finite``) non-finite weights."""
         from common.modeling import load_tokenizer
 
+        self.check_finite(optimizer=False, collective=self._zero3)
         state = dict(self.named_weights()) if self._zero3 else None
         if self.rank != 0:
             return None
@@ -396,7 +440,9 @@ class Learner:
 
     def save_checkpoint(self, path: str) -> str:
         """DeepSpeed checkpoint (module, optimiser, LR scheduler, ZeRO partitions) plus the policy
-        version, under ``path/v{version}``. A collective: every learner rank must call it."""
+        version, under ``path/v{version}``. A collective: every learner rank must call it.
+        Refuses (``check_finite``) non-finite weights or optimiser state before writing."""
+        self.check_finite()
         tag = f"v{self.version}"
         rng = {"torch": torch.get_rng_state(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
