@@ -2,7 +2,8 @@
 
 A plain class; the driver wraps it with ``ray.remote(RolloutActor)``. Rows follow
 docs/INTERFACES.md "Buffer rows". Rewards come from ``tasks.make_task(task_cfg).reward`` on the decoded
-response; weights arrive versioned through ``cluster.weight_sync`` (``init_weight_sync`` once, then
+response, run by ``tasks.rewards.RewardRunner`` (a reward that raises or hangs costs its sample
+reward 0 and a ``reward_fault`` mark, not the rollout); weights arrive versioned through ``cluster.weight_sync`` (``init_weight_sync`` once, then
 ``sync_weights`` between generation batches) or directly through ``load_weights``.
 """
 from __future__ import annotations
@@ -45,7 +46,8 @@ class RolloutActor:
                                                  max_positions(self.model_path))
         self.stop_ids = eos_token_ids(self.tokenizer, self.model_path)  # + generation_config's
         self.version = 0
-        self._task = None
+        self._task = None            # a Task whose reward is used in-process (tests)
+        self._reward_runner = None
         self._receiver = None
         self._calls = 0
         self._dense = None
@@ -58,13 +60,6 @@ class RolloutActor:
         self.swaps: list[tuple[int, float | None]] = []   # (version, checksum after swap), last 64
 
     # ---- generation ------------------------------------------------------------------------------
-    def _task_obj(self):
-        if self._task is None:
-            import tasks
-
-            self._task = tasks.make_task(self.task_cfg)
-        return self._task
-
     def _params(self, greedy: bool, batch: int | None = None) -> SamplingParams:
         """Sampling settings for one engine call. The seed derives from (rollout.seed, actor_id,
         batch): the driver numbers its rollout batches, so a resumed run draws exactly the samples
@@ -107,9 +102,17 @@ class RolloutActor:
         outs = engine.generate(expanded, params)
         return outs, (time.perf_counter() - t0), params
 
-    def _reward(self, output, answer: str) -> tuple[str, float]:
-        text = self.tokenizer.decode(output.response_ids, skip_special_tokens=True)
-        return text, float(self._task_obj().reward(text, answer))
+    def _rewards(self, outputs, answers: list[str]) -> list[tuple[float, str | None]]:
+        """(reward, fault) per output (``tasks.rewards``): a reward call that raises or runs past
+        ``task.reward_timeout_s`` gives 0.0 and its fault instead of failing the rollout."""
+        from tasks.rewards import RewardRunner
+
+        if self._reward_runner is None:  # a task object set on the actor (tests): in-process
+            fn = None if self._task is None else self._task.reward
+            timeout = 0.0 if fn is not None else self.task_cfg.reward_timeout_s
+            self._reward_runner = RewardRunner(self.task_cfg, timeout, fn=fn)
+        texts = [self.tokenizer.decode(o.response_ids, skip_special_tokens=True) for o in outputs]
+        return self._reward_runner.score(list(zip(texts, answers)))
 
     def rollout(self, problems, version: int | None, batch: int | None = None) -> list[dict]:
         """G samples per problem as buffer rows (rewards filled). ``gen_time_s`` is the sample's
@@ -127,11 +130,11 @@ class RolloutActor:
         budget = 0 if policy == KVPolicy.dense.value else int(kv.budget)   # 0: unbounded (dense)
         tag = f"b{batch}" if batch is not None else f"c{self._calls - 1}"
         dense = self._dense_sampler_logprobs(outs) if self.cfg.dense_logprobs else None
+        rewards = self._rewards(outs, [problems[j // g].answer for j in range(len(outs))])
         rows = []
-        for j, out in enumerate(outs):
+        for j, (out, (reward, fault)) in enumerate(zip(outs, rewards)):
             prob = problems[j // g]
             group = f"v{version}-a{self.actor_id}-{tag}-p{prob.idx}"
-            _, reward = self._reward(out, prob.answer)
             rows.append({
                 "sample_id": f"{group}-s{j % g}", "group_id": group, "prompt_idx": int(prob.idx),
                 "prompt_ids": list(out.prompt_ids), "response_ids": list(out.response_ids),
@@ -140,7 +143,7 @@ class RolloutActor:
                 "kept_ratio": float(out.kept_ratio), "prompt_len": len(out.prompt_ids),
                 "response_len": len(out.response_ids), "finish_reason": out.finish_reason,
                 "gen_time_s": elapsed / max(1, len(outs)), "logprob_mode": params.logprob_mode,
-                "peak_kv_bytes": int(out.peak_kv_bytes),
+                "peak_kv_bytes": int(out.peak_kv_bytes), "reward_fault": fault,
             })
             if dense is not None:
                 rows[-1]["dense_sampler_logprobs"] = dense[j]
@@ -165,7 +168,7 @@ class RolloutActor:
         if not problems:
             return {"accuracy": 0.0, "num_problems": 0}
         outs, elapsed, _ = self._generate(problems, 1, greedy=greedy, dense=dense)
-        rewards = [self._reward(o, p.answer)[1] for o, p in zip(outs, problems)]
+        rewards = [r for r, _ in self._rewards(outs, [p.answer for p in problems])]
         return {"accuracy": sum(r > 0 for r in rewards) / len(rewards),
                 "mean_reward": sum(rewards) / len(rewards), "num_problems": len(problems),
                 "mean_response_len": sum(len(o.response_ids) for o in outs) / len(outs),

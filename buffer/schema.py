@@ -48,6 +48,9 @@ SCHEMA = pa.schema([
     # most KV bytes the engine stored for this sequence (all layers, K and V); null in segments
     # written before it was recorded
     pa.field("peak_kv_bytes", pa.int64()),
+    # why the sample's reward is 0 by default rather than computed: "timeout" or "error: ..."
+    # (tasks/rewards.py); null when the reward function answered (or in older segments)
+    pa.field("reward_fault", pa.string()),
 ])
 
 LOG_SCHEMA = pa.schema([

@@ -12,6 +12,11 @@ class Problem:
     answer: str       # ground truth the reward compares against
 
 
+class RewardTimeout(Exception):
+    """A reward computation ran out of time inside the reward function itself (math-verify's own
+    limit): counted as a reward timeout, like a call the runner's per-call timeout stopped."""
+
+
 class Task(Protocol):
     name: str
 
@@ -19,4 +24,5 @@ class Task(Protocol):
         """Problems of a split: "train" or "heldout"."""
 
     def reward(self, response: str, answer: str) -> float:
-        """1.0 for a correct final answer, else 0.0 (exact match / math verification)."""
+        """1.0 for a correct final answer, else 0.0 (exact match / math verification). May
+        raise (counted as a reward error) or ``RewardTimeout``; ``tasks.rewards`` runs it."""

@@ -6,6 +6,7 @@ unions beyond what OmegaConf supports. ``validate()`` names the dotted key of an
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 
 from common.errors import ConfigError
@@ -86,6 +87,13 @@ class TaskConfig:
     prompt_template: str = "{prompt}"
     skip_malformed: bool = False  # False: a malformed row stops with file:line; True: skip and count
     eval_sets: list[EvalSetConfig] = field(default_factory=list)   # dataset tasks only
+    # A reward call that raises or runs past this many seconds gives its sample reward 0, marked
+    # in the row (reward_fault) and counted (faults/reward_errors, faults/reward_timeouts); the
+    # rewards then run in a child process of each rollout actor (0: in-process, no timeout)
+    reward_timeout_s: float = 30.0
+    # "module:function" called as function(response, answer) -> float instead of the task's own
+    # reward (e.g. tasks.faulty:flaky, the fault-injection rewards); empty: the task's
+    reward_fn: str = ""
 
     def __post_init__(self) -> None:
         # Plain-Python callers (tests, scripts) may pass enum values as strings, as YAML does.
@@ -103,6 +111,10 @@ class TaskConfig:
         check_range(k + "min_terms", self.min_terms, 1, 26)
         check_range(k + "max_terms", self.max_terms, self.min_terms, 26)
         check_range(k + "max_digit", self.max_digit, 1, 9)
+        check_range(k + "reward_timeout_s", self.reward_timeout_s, 0.0)
+        if self.reward_fn and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.reward_fn):
+            raise ConfigError(k + "reward_fn", self.reward_fn,
+                              "empty or 'module:function' (e.g. tasks.faulty:flaky)")
         if self.name is TaskName.dataset:
             if not self.path:
                 raise ConfigError(k + "path", self.path, "a JSONL or Parquet file when name=dataset")
