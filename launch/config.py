@@ -57,6 +57,9 @@ class RunConfig:
     tensorboard: bool = True        # TensorBoard event files in <run dir>/tensorboard (every metric)
     wandb: bool = False             # also log to Weights & Biases (optional: pip install wandb)
     progress: bool = True           # progress bars for steps and evaluation (only on a terminal)
+    # stop with an error after this many training steps in a row were skipped (a non-finite
+    # input, loss or gradient; launch/faults.py)
+    max_consecutive_skips: int = 3
 
     def validate(self, prefix: str = "run") -> None:
         if not self.name or "/" in self.name:
@@ -69,6 +72,7 @@ class RunConfig:
         check_range(f"{prefix}.checkpoint_every", self.checkpoint_every, 0)
         check_range(f"{prefix}.checkpoint_keep", self.checkpoint_keep, 0)
         check_range(f"{prefix}.rollouts_ahead", self.rollouts_ahead, 1)
+        check_range(f"{prefix}.max_consecutive_skips", self.max_consecutive_skips, 1)
         if self.wandb and importlib.util.find_spec("wandb") is None:  # optional, never in the lock
             raise ConfigError(f"{prefix}.wandb", self.wandb,
                               "false, or install wandb first (pip install wandb): it is optional")

@@ -52,13 +52,14 @@ def main(argv: list[str]) -> dict:
 
     from buffer.tensors import to_tensors
     from cluster.pools import broadcast_weights, build_pools, connect_weight_sync, on_learners
+    from launch.faults import Faults
     from launch.steps import (MetricsLog, PromptSampler, batch_metrics, buffer_depth, evaluate_sets,
                               fill_rollouts, gather_rollouts, land_rollouts, score_pending,
                               sync_weights)
-    from learner.batch import prepare_batch, reduce_metrics, shard_batch
 
     t_start = time.time()
     log = MetricsLog(run_dir, cfg.run)  # + TensorBoard (run.tensorboard), wandb, Ray gauges
+    faults = Faults(run_dir, cfg.run.max_consecutive_skips)  # skipped batches, failed rewards
     sampler = PromptSampler(train, cfg.run.prompts_per_step, cfg.run.seed)
 
     pools = build_pools(cfg, str(run_dir))  # waits for every actor: cluster.placement_timeout_s
@@ -91,6 +92,7 @@ def main(argv: list[str]) -> dict:
         # 6a. Sparse rollouts: G samples per prompt, sampler log-probs, rewards, policy version.
         # (A rollout actor that died is replaced and its share regenerated: cluster/elastic.py.)
         rows = gather_rollouts(in_flight.popleft(), pools, cfg, version)  # the oldest batch
+        faults.note_rewards(step, rows)  # rewards that raised or timed out: 0, marked, counted
         if overlap:  # async: the next rollouts start now, with the current weights, and
             fill_rollouts(in_flight, pools, sampler, version, cfg.run.steps)  # overlap training
         ray.get(pools.buffer.append.remote(rows))
@@ -105,15 +107,10 @@ def main(argv: list[str]) -> dict:
         batch = ray.get(pools.buffer.sample_batch.remote(cfg.run.prompts_per_step, version))
         if batch is None:
             raise RuntimeError(f"step {step}: the buffer had no complete scored groups to train on")
-        tensors, corr = prepare_batch(to_tensors(batch, pad_id), cfg.correction, version,
-                                      cfg.learner.mini_batches)
-        shards = shard_batch(tensors, len(pools.learners))
 
-        # 6d. PPO: learner.mini_batches optimiser steps on every data-parallel learner.
-        metrics = reduce_metrics(ray.get([lrn.train_step.remote(sh, cfg.rollout.temperature)
-                                          for lrn, sh in zip(pools.learners, shards)])) | corr
-        trained = batch.column("sample_id").to_pylist()
-        ray.get(pools.buffer.mark_consumed.remote(trained))
+        # 6d. PPO: learner.mini_batches optimiser steps on every data-parallel learner. A NaN/inf
+        # input, loss or gradient skips the step instead (counted, named; launch/faults.py).
+        metrics, trained = faults.train(pools, cfg, batch, to_tensors(batch, pad_id), step, version)
 
         # 6e. New weights to every rollout and scorer actor, between generation batches (in async
         # mode the actors take them once their current rollout finishes; rollouts ahead: staged).
@@ -124,7 +121,7 @@ def main(argv: list[str]) -> dict:
         # 6f. Metrics: reward, mismatch and correction statistics, timings.
         record = {"step": step, "version": version, **batch_metrics(batch, version),
                   "time/rollout_wait_s": t_roll, "time/step_s": time.time() - t0, **sync,
-                  **buffer_depth(pools),
+                  **buffer_depth(pools), **faults.metrics(),
                   **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
         if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < cfg.run.steps:
             record.update(evaluate_sets(pools.rollout, evals, cfg.run.eval_greedy, log.progress))
@@ -150,14 +147,14 @@ def main(argv: list[str]) -> dict:
     on_learners(pools, "save_hf", str(run_dir / "final"))
     summary = {"steps": cfg.run.steps, "version": version, "time_s": round(time.time() - t_start, 1),
                "accuracy_before": acc_before, "accuracy_after": acc_after, "eval_after": after,
-               "run_dir": str(run_dir), **overlong}
+               "run_dir": str(run_dir), **overlong, **faults.metrics()}
     log.summary(summary)
     ray.shutdown()
     return summary
 
 
 if __name__ == "__main__":
-    from common.errors import ConfigError, DataError
+    from common.errors import ConfigError, DataError, TrainingFault
 
     if {"-h", "--help"} & set(sys.argv[1:]):  # usage + every key, from the config dataclasses
         from launch.helptext import usage
@@ -167,3 +164,6 @@ if __name__ == "__main__":
     except (ConfigError, DataError) as err:  # bad input: one clear line, no traceback
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except TrainingFault as err:  # poisoned batches in a row, or non-finite weights: named
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(3)
