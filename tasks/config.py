@@ -91,8 +91,8 @@ class TaskConfig:
     # in the row (reward_fault) and counted (faults/reward_errors, faults/reward_timeouts); the
     # rewards then run in a child process of each rollout actor (0: in-process, no timeout)
     reward_timeout_s: float = 30.0
-    # "module:function" called as function(response, answer) -> float instead of the task's own
-    # reward (e.g. tasks.faulty:flaky, the fault-injection rewards); empty: the task's
+    # empty: the task's own reward; else "module:function", called as function(response, answer)
+    # instead (tasks/faulty.py holds rewards that fail on purpose, for fault-injection runs)
     reward_fn: str = ""
 
     def __post_init__(self) -> None:
