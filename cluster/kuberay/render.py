@@ -12,8 +12,8 @@ writes, into ``--out`` (cluster/kuberay/):
   and a learner worker group (GPU image, GPU requests, their own replicas and autoscaling range),
   the volume mounted at the same absolute path in every pod, nothing exposed outside the cluster;
 - ``rayjob.yaml``: a RayJob with the same cluster spec that runs ``launch/train.py`` on it with
-  the preset and the overlay (absolute paths on the volume), ``resume=latest`` (a retry or a resubmission continues from the
-  newest checkpoint) and ``shutdownAfterJobFinishes``.
+  the preset and the overlay (absolute paths on the volume), ``resume=latest`` (a retry or a
+  resubmission continues from the newest checkpoint) and ``shutdownAfterJobFinishes``.
 
 Actors reach their group through custom resources: each worker pod advertises ``<group>_pool``
 equal to its GPUs and each actor asks for as much of it as it asks GPUs, so the resource plan of
@@ -75,7 +75,9 @@ def overlay(dc: DeployConfig) -> dict:
     mount = PurePosixPath(dc.mount)
 
     def on_volume(path: str) -> str:  # a relative path would resolve inside the image
-        return path if not path or path.startswith("/") else str(mount / "data" / PurePosixPath(path).name)
+        if not path or path.startswith("/"):
+            return path
+        return str(mount / "data" / PurePosixPath(path).name)
 
     task = {"path": on_volume(cfg.task.path), "heldout_path": on_volume(cfg.task.heldout_path)}
     if cfg.task.eval_sets:
