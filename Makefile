@@ -9,7 +9,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 export RAY_AUTH_MODE := disabled
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv vllm train test test-gpu model bench compare clean lock
+.PHONY: venv vllm train test test-gpu model bench compare clean lock lock-gpu
 
 venv: $(STAMP)
 
@@ -55,6 +55,11 @@ compare: model
 
 lock: $(STAMP)
 	$(PY) -m pip freeze --exclude-editable | grep -v '^-e' > requirements.lock
+
+# requirements-gpu.lock (CUDA torch, vLLM, DeepSpeed; docker/Dockerfile.gpu) from pip's resolver:
+# requirements-gpu.txt with requirements.lock's pins as constraints (launch/locks.py says which differ).
+lock-gpu: $(STAMP)
+	$(PY) -m launch.locks gpu
 
 clean:
 	rm -rf runs .pytest_cache

@@ -44,6 +44,8 @@ class ClusterConfig:
     rollout_resources: dict[str, float] = field(default_factory=dict)
     scorer_resources: dict[str, float] = field(default_factory=dict)
     learner_resources: dict[str, float] = field(default_factory=dict)
+    # KubeRay: {buffer_pool: 1}, which only the head advertises, keeps the buffer beside the driver
+    buffer_resources: dict[str, float] = field(default_factory=dict)
     # CPU ids each pool's actor processes are pinned to (sched_setaffinity, and that many torch
     # threads); empty: no pinning. Emulates disjoint per-pool hardware on one machine, e.g. rollout
     # on core 0 and learner + scorer on core 1, so the pools stop competing for the same cores.

@@ -44,7 +44,7 @@ def build_pools(cfg, run_dir: str) -> Pools:
     c = cfg.cluster
     requeue = getattr(cfg.buffer.stale_policy, "value", cfg.buffer.stale_policy) == "requeue"
     pools = Pools(rollouts_ahead=rollouts_ahead(cfg), requeue=requeue)
-    pools.buffer = ray.remote(**actor_options(c.buffer_cpus))(ReplayBuffer).remote(
+    pools.buffer = ray.remote(**actor_options(c.buffer_cpus, 0.0, c.buffer_resources))(ReplayBuffer).remote(
         cfg.buffer, _buffer_root(cfg, run_dir))
     n_learn = cfg.learner.num_learners
     ds_port = free_port(c.host)

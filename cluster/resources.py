@@ -33,7 +33,7 @@ def plan(cfg) -> dict[str, tuple[int, dict[str, float]]]:
     return {"learner": (cfg.learner.num_learners, per_actor("learner", c.learner_resources)),
             "rollout": (cfg.rollout.num_actors, per_actor("rollout", c.rollout_resources)),
             "scorer": (cfg.scorer.num_actors, per_actor("scorer", c.scorer_resources)),
-            "buffer": (1, per_actor("buffer"))}
+            "buffer": (1, per_actor("buffer", c.buffer_resources))}
 
 
 def shortfalls(cfg, total: dict[str, float]) -> list[tuple[str, str, float, float, str]]:

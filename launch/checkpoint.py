@@ -2,7 +2,10 @@
 
 ``launch/train.py`` writes one every ``run.checkpoint_every`` steps, after the last step and on
 SIGTERM; ``python launch/train.py resume=DIR`` continues from it (DIR: a checkpoint folder, or a run
-folder whose newest checkpoint is taken). A checkpoint ``<run_dir>/checkpoints/step-000010/`` holds
+folder whose newest checkpoint is taken). ``resume=latest`` takes the newest checkpoint of the newest
+run named ``run.name`` under ``run.out_dir`` and starts fresh (saying so) when there is none yet: the
+same command then serves a first submission and every resubmission (KubeRay's RayJob retries,
+docs/DEPLOY.md). A checkpoint ``<run_dir>/checkpoints/step-000010/`` holds
 
     hf/                 the policy in HF format (safetensors; ``from_pretrained`` loads it)
     deepspeed/          every learner rank's DeepSpeed state: module, optimiser moments, LR
@@ -24,8 +27,10 @@ the versions the batches were generated with depend on timing, so that continuat
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import shutil
 import signal
 import threading
@@ -34,6 +39,8 @@ from pathlib import Path
 from common.errors import ConfigError
 
 STATE_FILE = "trainer_state.json"
+LATEST = "latest"  # resume=latest
+CKPT_NAME = re.compile(r"step-\d+")
 
 
 def load_run_config(argv: list[str]):
@@ -45,9 +52,19 @@ def load_run_config(argv: list[str]):
     if not resume:
         return load_config(argv), None
     if len(resume) > 1:
-        raise ConfigError("resume", resume, "a single resume=DIR")
-    ckpt = find_checkpoint(resume[0].split("=", 1)[1])
+        raise ConfigError("resume", resume, "a single resume=DIR or resume=latest")
     rest = [a for a in argv if not a.startswith("resume=")]
+    where = resume[0].split("=", 1)[1]
+    if where == LATEST:
+        fresh = load_config(rest)
+        ckpt = latest_checkpoint(fresh.run.out_dir, fresh.run.name)
+        if ckpt is None:
+            print(f"[resume] resume=latest: no checkpoint of run {fresh.run.name!r} under "
+                  f"{fresh.run.out_dir}; starting a fresh run", flush=True)
+            return fresh, None
+        print(f"[resume] resume=latest: {ckpt}", flush=True)
+    else:
+        ckpt = find_checkpoint(where)
     cfg = load_config(["--config", str(ckpt / "config.yaml"), *rest])
     check_same_task(load_config(["--config", str(ckpt / "config.yaml")]), cfg, ckpt)
     return cfg, ckpt
@@ -87,12 +104,37 @@ def find_checkpoint(path: str) -> Path:
     p = Path(path)
     if (p / STATE_FILE).is_file():
         return p
-    found = sorted(c for c in (p / "checkpoints").glob("step-*")
-                   if c.is_dir() and (c / STATE_FILE).is_file()) if p.is_dir() else []
+    found = completed(p / "checkpoints") if p.is_dir() else []
     if not found:
         raise ConfigError("resume", path, f"a checkpoint folder (with {STATE_FILE}) or a run "
                                           "folder holding checkpoints/step-*")
     return found[-1]
+
+
+def completed(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first: ``step-NNNNNN`` folders holding
+    trainer_state.json (a ``.partial`` one is still being written, or its run was killed)."""
+    return sorted(c for c in root.glob("step-*") if c.is_dir() and CKPT_NAME.fullmatch(c.name)
+                  and (c / STATE_FILE).is_file())
+
+
+def latest_checkpoint(out_dir: str, name: str) -> Path | None:
+    """The newest complete checkpoint of the newest run folder ``out_dir/<name>-<date>-<time>``
+    that has one (a resumed run writes a new folder, so its checkpoints are the newest), or None.
+
+    Run folders sort by their start time (the name's suffix), checkpoints by their step; a folder
+    whose run died before its first checkpoint is passed over. Only ``<name>-<8 digits>-<6 digits>``
+    counts, so run ``a`` never picks up run ``a-b``'s folders.
+    """
+    root = Path(out_dir)
+    stamp = re.compile(re.escape(name) + r"-\d{8}-\d{6}")
+    runs = sorted((d for d in root.glob(f"{glob.escape(name)}-*")
+                   if d.is_dir() and stamp.fullmatch(d.name)), reverse=True) if root.is_dir() else []
+    for run in runs:
+        done = completed(run / "checkpoints")
+        if done:
+            return done[-1]
+    return None
 
 
 def due(run_cfg, step: int) -> bool:
@@ -148,7 +190,7 @@ def restore(ckpt: Path, pools, sampler) -> dict:
 def _prune(root: Path, keep: int) -> None:
     if keep <= 0:
         return
-    done = sorted(c for c in root.glob("step-*") if c.is_dir() and (c / STATE_FILE).is_file())
+    done = completed(root)
     for old in done[:-keep]:
         shutil.rmtree(old)
 

@@ -1,7 +1,7 @@
 """sparse-rl training, the whole data flow from top to bottom.
 
     python launch/train.py [--config launch/configs/X.yaml] [key=value ...]
-    python launch/train.py resume=runs/<run>[/checkpoints/step-N] [key=value ...]
+    python launch/train.py resume=runs/<run>[/checkpoints/step-N] [key=value ...]   (or resume=latest)
     ray job submit --working-dir . -- python launch/train.py cluster.address=auto
 
 Each step: rollout actors generate G samples per prompt with a compressed KV cache and record the

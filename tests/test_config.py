@@ -1,16 +1,12 @@
 """The composed config: presets load, bad input names its key, shipped YAMLs all parse."""
 from __future__ import annotations
 
-import shlex
-from pathlib import Path
 
 import pytest
-import yaml
 
 from common.errors import ConfigError
 from launch.config import CONFIG_DIR, TrainConfig, load_config, parse_args
 
-REPO = Path(__file__).resolve().parent.parent
 PRESETS = sorted(CONFIG_DIR.glob("*.yaml"))
 
 
@@ -80,22 +76,6 @@ def test_missing_file_and_bad_arg():
         load_config(["--config", "nope.yaml"])
     with pytest.raises(ConfigError):
         parse_args(["--steps"])
-
-
-def test_kuberay_manifests_parse_and_pools_scale_apart():
-    cluster = yaml.safe_load((REPO / "cluster/kuberay/raycluster.yaml").read_text())
-    assert cluster["kind"] == "RayCluster"
-    groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
-    assert {"rollout", "learner"} <= set(groups)
-    assert "rollout_pool" in groups["rollout"]["rayStartParams"]["resources"]
-    job = yaml.safe_load((REPO / "cluster/kuberay/rayjob.yaml").read_text())
-    assert job["kind"] == "RayJob"
-    # The job's own overrides must pass our validation.
-    args = shlex.split(job["spec"]["entrypoint"])
-    assert args[:2] == ["python", "launch/train.py"]
-    cfg = load_config([a.replace("launch/configs/", str(CONFIG_DIR) + "/") for a in args[2:]])
-    assert cfg.cluster.address == "auto"
-    assert cfg.cluster.rollout_resources == {"rollout_pool": 1.0}
 
 
 def test_vllm_engine_refuses_score_based_policy_at_load():

@@ -177,6 +177,7 @@ USED = {
     "cluster.rollout_resources": "cluster/pools.py",
     "cluster.scorer_resources": "cluster/pools.py",
     "cluster.learner_resources": "cluster/pools.py",
+    "cluster.buffer_resources": "cluster/pools.py",
     "cluster.rollout_cores": "cluster/pools.py",
     "cluster.scorer_cores": "cluster/pools.py",
     "cluster.learner_cores": "cluster/pools.py",

@@ -62,3 +62,13 @@ def test_an_actor_never_placed_is_an_error_not_a_hang(local_ray):
                                           r"scorer 0 \(free now: \{'CPU'"):
         wait_placed([("learner 0", ok), ("scorer 0", never)], timeout_s=2.0)
     ray.kill(never)
+
+
+def test_buffer_resources_pin_the_buffer_and_name_their_key():
+    """cluster.buffer_resources (KubeRay: buffer_pool, which only the head offers) enters the plan;
+    a cluster without it names the key."""
+    from cluster.resources import plan
+
+    cfg = load_config(["cluster.buffer_resources={buffer_pool: 1}"])
+    assert plan(cfg)["buffer"] == (1, {"CPU": 0.1, "buffer_pool": 1.0})
+    assert shortfalls(cfg, {"CPU": 2.0})[0][:4] == ("cluster.buffer_resources", "buffer_pool", 1.0, 0.0)

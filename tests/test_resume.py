@@ -104,9 +104,11 @@ def test_checkpoint_layout_extend_finished_run_and_bad_resume(tiny_model, tmp_pa
     assert (last / "deepspeed" / "latest").read_text().strip() == f"v{STEPS}"
     assert (last / "buffer").is_dir() and (last / "config.yaml").is_file()
 
-    # a finished run goes on for more steps: resume with a larger run.steps
-    proc = _run([sys.executable, "launch/train.py", f"resume={run_dir}", f"run.steps={STEPS + 1}"],
-                tmp_path)
+    # a finished run goes on for more steps: resume with a larger run.steps; resume=latest finds
+    # this run's newest checkpoint from run.out_dir and run.name (what the RayJob passes)
+    proc = _run([sys.executable, "launch/train.py", "resume=latest", f"run.out_dir={out}",
+                 "run.name=r", f"run.steps={STEPS + 1}"], tmp_path)
+    assert f"resume=latest: {last}" in proc.stdout
     assert f"policy version {STEPS + 1}" in proc.stdout
     assert [t["step"] for t in _trained(out)][-2:] == [STEPS, STEPS + 1]
 
