@@ -13,6 +13,9 @@ rank that is still alive, on gloo and on NCCL alike, never a hang and never a pr
   until the collective completes or the group timeout passes; on timeout it aborts the
   group's communicator and raises ``DistBackendError`` in the caller. Other groups of the
   process (DeepSpeed's) keep their own settings.
+* The communicator is set up when the group forms (``eager_connect_single_device``), right after
+  every rank was seen alive in the spec agreement, rather than inside the first transfer: NCCL's
+  set-up itself has no timeout (a peer dying in that instant is the one window left).
 * **Before every transfer** each rank checks in at a gate in the group's ``TCPStore`` and waits,
   bounded by the timeout, until every rank has (``Gate``): a peer that died between broadcasts
   is found there, on both backends, before anyone enters a collective with it, and the error
@@ -52,12 +55,16 @@ def make_process_group(backend: str, store, rank: int, world_size: int, timeout:
         saved = os.environ.get("TORCH_NCCL_BLOCKING_WAIT")
         os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"   # read by this constructor only
         try:
-            return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+            pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
         finally:
             if saved is None:
                 del os.environ["TORCH_NCCL_BLOCKING_WAIT"]
             else:
                 os.environ["TORCH_NCCL_BLOCKING_WAIT"] = saved
+    # The communicator now, while every rank is known alive (the spec agreement just finished),
+    # not lazily in the first transfer: its set-up blocks without a timeout.
+    pg.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
+    return pg
 
 
 class Gate:
