@@ -3,12 +3,13 @@
 A plain class; the driver wraps it with ``ray.remote(RolloutActor)``. Rows follow
 docs/INTERFACES.md "Buffer rows". Rewards come from ``tasks.make_task(task_cfg).reward`` on the decoded
 response, run by ``tasks.rewards.RewardRunner`` (a reward that raises or hangs costs its sample
-reward 0 and a ``reward_fault`` mark, not the rollout); weights arrive versioned through ``cluster.weight_sync`` (``init_weight_sync`` once, then
-``sync_weights`` between generation batches) or directly through ``load_weights``.
+reward 0 and a ``reward_fault`` mark, not the rollout); weights arrive versioned through
+``cluster.weight_sync`` (``init_weight_sync`` once, then ``stage_weights`` per broadcast, beside a
+running rollout, swapped in before the next batch: see ``actors.weights``) or directly through
+``load_weights``.
 """
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import is_dataclass
 
@@ -16,6 +17,7 @@ import torch
 
 from actors.config import KVPolicy, RolloutConfig
 from actors.engine import SamplingParams, make_engine
+from actors.weights import ReceivesWeights
 
 
 def _as_object(cfg):
@@ -27,7 +29,7 @@ def _as_object(cfg):
     return OmegaConf.to_object(cfg)
 
 
-class RolloutActor:
+class RolloutActor(ReceivesWeights):
     def __init__(self, cfg: RolloutConfig, task_cfg, model_path: str | None = None,
                  actor_id: int = 0):
         torch.set_num_threads(1)
@@ -48,16 +50,9 @@ class RolloutActor:
         self.version = 0
         self._task = None            # a Task whose reward is used in-process (tests)
         self._reward_runner = None
-        self._receiver = None
+        self._label = f"rollout actor {actor_id}"
         self._calls = 0
         self._dense = None
-        # rollouts ahead (run.rollouts_ahead > 1): ``stage_weights`` receives into ``_staged``
-        # beside a running rollout; the next rollout()/evaluate() swaps it in (``_swap_staged``)
-        self._stage_lock = threading.Lock()
-        self._staged: dict | None = None       # name -> tensor, the model's dtypes, reused
-        self._staged_version: int | None = None
-        self._staged_sum: float | None = None
-        self.swaps: list[tuple[int, float | None]] = []   # (version, checksum after swap), last 64
 
     # ---- generation ------------------------------------------------------------------------------
     def _params(self, greedy: bool, batch: int | None = None) -> SamplingParams:
@@ -118,10 +113,13 @@ class RolloutActor:
         """G samples per problem as buffer rows (rewards filled). ``gen_time_s`` is the sample's
         share of the wall time of the engine call that produced it. ``batch`` (the driver's
         rollout-batch number) fixes the sampling seed and the sample ids, so they are reproducible
-        across restarts; without it a call counter is used. Staged weights are swapped in first;
-        ``version=None`` tags the rows with the version of the weights this actor then holds (the
-        driver's choice with run.rollouts_ahead > 1, where that depends on timing)."""
-        self._swap_staged()
+        across restarts; without it a call counter is used. Staged weights are swapped in first,
+        unless newer than ``version``: rows tagged ``version`` are generated with the weights
+        they name even when a later broadcast was staged before this call started. ``version=None``
+        swaps in whatever is staged and tags the rows with the version of the weights this actor
+        then holds (the driver's choice with run.rollouts_ahead > 1, where that depends on
+        timing)."""
+        self._swap_staged(version)
         version = self.version if version is None else version
         g = self.cfg.samples_per_prompt
         outs, elapsed, params = self._generate(problems, g, greedy=False, batch=batch)
@@ -182,67 +180,10 @@ class RolloutActor:
 
         return weight_spec(self.engine.model)
 
-    def init_weight_sync(self, host: str, port: int, rank: int, world_size: int,
-                         timeout_s: float = 300.0) -> None:
-        """Join (or re-join) the weight-sync group as ``rank``; see actors.weights."""
-        from actors.weights import join_weight_sync
-
-        old, self._receiver = self._receiver, None  # a failed join must not leave a closed one
-        self._receiver = join_weight_sync(old, host, port, rank, world_size, self.weight_spec(),
-                                          timeout_s)
-
-    def sync_weights(self) -> int:
-        """Receive one broadcast (a collective with the learner's send) and swap the weights."""
-        from actors.weights import receive_weights
-
-        return receive_weights(self._receiver, self.load_weights, self._inplace_params())
-
-    def stage_weights(self, verify: bool = True) -> dict:
-        """Receive one broadcast into a staging copy, beside a rollout in progress (the driver
-        calls it in the actor's "weights" concurrency group); the next rollout()/evaluate() swaps
-        it in, between batches, never mid-sequence. A newer broadcast staged before that replaces
-        it. Returns {"version", "checksum"}: the checksum of the staged weights, exactly what the
-        model holds after the swap (None unless ``verify``); the swap checks the model against it.
-        A failed receive leaves nothing staged (the model keeps its weights)."""
-        from common.modeling import checksum
-
-        if self._receiver is None:
-            raise RuntimeError("stage_weights called before init_weight_sync")
-        with self._stage_lock:
-            self._staged_version = self._staged_sum = None
-            dest = self._staging_dest()
-            version, named = self._receiver.receive(into=dest)
-            if dest is None:  # no destinations (vLLM): copy out of the receiver's reused buffers
-                self._staged = {n: t.clone() for n, t in named}
-            self._staged_sum = checksum(self._staged.items()) if verify else None
-            self._staged_version = int(version)
-            return {"version": self._staged_version, "checksum": self._staged_sum}
-
-    def _staging_dest(self) -> dict | None:
-        """The staging copy a broadcast lands in: one tensor per parameter, allocated once."""
-        params = self._inplace_params()
-        if params is None:
-            return None
-        if self._staged is None:
-            self._staged = {n: torch.empty_like(p) for n, p in params.items()}
-        return self._staged
-
-    def _swap_staged(self) -> None:
-        """Load the staged weights, if any, into the model; with a staged checksum, the model's
-        must equal it (the weights the next rows are tagged with are the ones the learner sent).
-        A receive in progress is waited for (it may be overwriting a staged, not yet swapped
-        version): the rollout then starts from the newer one, never from older weights."""
-        with self._stage_lock:
-            if self._staged_version is None:
-                return
-            version, want = self._staged_version, self._staged_sum
-            self.load_weights(list(self._staged.items()), version)
-            got = None if want is None else self.state_checksum()
-            if want is not None and got != want:
-                raise RuntimeError(f"rollout actor {self.actor_id}: after swapping in version "
-                                   f"{version} the model's checksum {got} != staged {want}")
-            self._staged_version = self._staged_sum = None
-            self.swaps = (self.swaps + [(version, got)])[-64:]
+    def _weight_template(self) -> dict:
+        """What a broadcast is staged like: the engine's parameters (for vLLM its meta-device HF
+        skeleton, staged on the weight-sync group's device)."""
+        return dict(self.engine.model.named_parameters())
 
     def load_weights(self, named_tensors, version: int) -> None:
         """Copy named tensors into the model (an empty list: they were received in place)."""
@@ -250,15 +191,6 @@ class RolloutActor:
         if self._dense is not None and self._dense is not self.engine:  # same model, own caches
             self._dense.load_weights([], version)
         self.version = int(version)
-
-    def _inplace_params(self) -> dict | None:
-        """The parameters a broadcast may land in directly: the native engine's model (vLLM's
-        weights live in its own workers and come through its API)."""
-        from actors.config import EngineKind
-
-        if EngineKind(self.cfg.engine) != EngineKind.native:
-            return None
-        return dict(self.engine.model.named_parameters())
 
     def state_checksum(self) -> float:
         return self.engine.state_checksum()

@@ -7,7 +7,8 @@ The scorer computes them in one forward per micro-batch (no generation, no KV ev
 new log-probs, so ratios are 1 when nothing changed.
 
 A plain class: the driver wraps it with ``ray.remote``. It receives weights like the rollout actors
-(``init_weight_sync`` once, then ``sync_weights`` per broadcast) and reports the version it scored with.
+(``actors.weights``: ``init_weight_sync`` once, then ``stage_weights`` per broadcast; the next
+``score`` swaps the staged weights in first) and reports the version it scored with.
 
 Reference policy: with ``ref_model_path`` (the driver passes ``rollout.model_path`` when
 ``correction.loss.kl_coef > 0``) the actor also holds a frozen copy of the *initial* policy, in the
@@ -31,6 +32,7 @@ import torch
 
 from common.dtypes import torch_dtype
 from common.modeling import checksum, load_model, load_tokenizer, token_logprobs
+from actors.weights import ReceivesWeights
 from common.tokens import pad_token_id
 
 # Largest change of a token's log-prob with the batch it is scored in (module docstring)
@@ -93,7 +95,7 @@ def _score_rows(model, prompts: list[list[int]], responses: list[list[int]], tem
     return [logp[b, len(p):lens[b]].tolist() for b, p in enumerate(prompts)]
 
 
-class ScorerActor:
+class ScorerActor(ReceivesWeights):
     """Dense teacher-forced scorer. ``cfg`` needs ``micro_batch`` (rows per forward) and
     optionally ``dtype`` ("float32" | "bfloat16"). ``ref_model_path``: also score reference
     log-probs under a frozen copy of that model (the initial policy; module docstring)."""
@@ -113,7 +115,7 @@ class ScorerActor:
             self.ref = load_model(ref_model_path, dtype=_dtype(cfg)).to(self.device)
             self.ref.requires_grad_(False)
         self.version = 0
-        self._receiver = None
+        self._label = "scorer"
 
     # ---- scoring ----------------------------------------------------------------------------
 
@@ -125,6 +127,7 @@ class ScorerActor:
         ``old_logprobs[i]`` has one float per response token of row i (see ``dense_logprobs``),
         ``ref_logprobs`` likewise under the reference model, or None without one.
         """
+        self._swap_staged()  # between batches: a batch is never scored with mixed weights
         ids, prompts, responses = _rows(batch)
         old = dense_logprobs(self.model, prompts, responses, self.temperature, self.pad_id,
                              self.micro_batch)
@@ -139,22 +142,8 @@ class ScorerActor:
 
         return weight_spec(self.model)
 
-    def init_weight_sync(self, host: str, port: int, rank: int, world_size: int,
-                         timeout_s: float = 300.0) -> None:
-        """Join (or re-join) the weight-sync group as ``rank``; see actors.weights."""
-        from actors.weights import join_weight_sync
-
-        old, self._receiver = self._receiver, None  # a failed join must not leave a closed one
-        self._receiver = join_weight_sync(old, host, port, rank, world_size, self.weight_spec(),
-                                          timeout_s)
-
-    def sync_weights(self) -> int:
-        """Receive one broadcast (a collective with the learner's send), load it, return the version.
-        Called between ``score`` calls, so a batch is never scored with mixed weights."""
-        from actors.weights import receive_weights
-
-        return receive_weights(self._receiver, self.load_weights,
-                               dict(self.model.named_parameters()))
+    def _weight_template(self) -> dict:
+        return dict(self.model.named_parameters())
 
     @torch.no_grad()
     def load_weights(self, named_tensors, version: int) -> None:

@@ -90,8 +90,10 @@ def _endpoint(rank: int, port: int, n: int, reps: int, mode: str, shm: bool) -> 
     to this side's end (with ``load`` and ``into``, the receiver's end has the weights in its model).
 
     Modes: ``buffers`` (the broadcast proper: the bytes are in the receiver's buffers), ``load``
-    (then copied into the model, as ``load_weights`` does), ``into`` (received straight into the
-    model's tensors: what rollout and scorer actors do, ``actors.weights.receive_weights``) and ``raw`` (one bare gloo broadcast of one tensor: TCP's
+    (then copied into the model, as ``load_weights`` does), ``into`` (received straight into
+    destination tensors: what rollout and scorer actors do with their staging copy,
+    ``actors.weights.StagedWeights``; the swap into the model is one more copy, paid by the actor
+    between batches, off the broadcast's path) and ``raw`` (one bare gloo broadcast of one tensor: TCP's
     floor). ``shm``: the same-machine shared-memory ring (the
     default when every receiver is local) rather than gloo over loopback TCP.
     """

@@ -7,12 +7,14 @@ re-assigned in pool order (``reform_weight_sync``). The learner's current weight
 then broadcast, so every actor - new or surviving - holds exactly the learner's weights; the
 checksums are compared like ``broadcast_weights`` does.
 
-Call these between steps, with no rollout or scoring in flight: actors run one call at a time, so a
-busy actor delays the probe and the re-formation until its call returns.
+The probe, the re-formation and the broadcast run in each actor's "weights" concurrency group
+(``cluster.pools.WEIGHTS_GROUP``), beside a rollout or scoring call in progress: a busy actor is
+probed, re-joined and sent the weights without waiting for its call to return.
 """
 from __future__ import annotations
 
-from cluster.pools import Pools, broadcast_weights, connect_weight_sync, spawn_rollout, spawn_scorer
+from cluster.pools import (Pools, broadcast_weights, connect_weight_sync, spawn_rollout, spawn_scorer,
+                           weights_call)
 from cluster.weight_sync import free_port
 
 ROLES = ("rollout", "scorer")
@@ -31,11 +33,11 @@ def _joined(actor) -> bool:
 def probe(actors: list, timeout_s: float) -> list[str]:
     """One state per actor: ok, dead (Ray reports it died), unjoined (alive but outside the
     group, e.g. restarted by Ray), or unresponsive (no answer within ``timeout_s``: hung, or
-    still busy)."""
+    still in a weight transfer that has not given up)."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
 
-    refs = [a.__ray_call__.remote(_joined) for a in actors]
+    refs = [weights_call(a, "__ray_call__").remote(_joined) for a in actors]
     if refs:  # one shared deadline, not timeout_s per actor
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     states = []

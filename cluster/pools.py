@@ -22,8 +22,7 @@ class Pools:
     # actor_id of each rollout actor (parallel to ``rollout``): it seeds the actor's sampling, so a
     # replacement takes over its predecessor's id and regenerates exactly its chunk of a batch
     rollout_ids: list = field(default_factory=list)
-    # run.rollouts_ahead in async mode: > 1 stages broadcasts on the rollout actors (their
-    # "weights" concurrency group) instead of queueing behind their rollouts
+    # run.rollouts_ahead in async mode: rollout batches kept in flight (launch.steps)
     rollouts_ahead: int = 1
     # buffer.stale_policy=requeue: each rollout launch first takes the buffer's requeued prompts
     requeue: bool = False
@@ -71,27 +70,28 @@ def rollouts_ahead(cfg) -> int:
     return int(getattr(run, "rollouts_ahead", 1)) if mode == "async" else 1
 
 
-def _weights_group(actor, method: str, ahead: int):
-    """``actor.method``, in the rollout actor's "weights" concurrency group when rollouts run
-    ahead (it then runs beside the actor's rollouts instead of after every queued one)."""
-    m = getattr(actor, method)
-    return m.options(concurrency_group="weights") if ahead > 1 else m
+# Every receiver (rollout and scorer actor) has this concurrency group, one thread, for its
+# weight-sync calls: they run beside a rollout or scoring call instead of queueing behind it.
+WEIGHTS_GROUP = {"weights": 1}
+
+
+def weights_call(actor, method: str):
+    """``actor.method`` in the actor's "weights" concurrency group."""
+    return getattr(actor, method).options(concurrency_group="weights")
 
 
 def spawn_rollout(cfg, actor_id: int):
     """One rollout actor with the pool's resources (build_pools, and replacements or growth in
-    ``cluster.elastic``: both must place and configure it the same way). With rollouts ahead it
-    gets a "weights" concurrency group (one thread) for ``stage_weights``/``init_weight_sync``;
-    rollouts and everything else stay one call at a time in the default group."""
+    ``cluster.elastic``: both must place and configure it the same way). Its "weights"
+    concurrency group (``WEIGHTS_GROUP``) runs ``init_weight_sync``/``stage_weights``; rollouts
+    and everything else stay one call at a time in the default group."""
     import ray
 
     from actors.rollout import RolloutActor
 
     c = cfg.cluster
     opts = actor_options(c.rollout_cpus, c.rollout_gpus, c.rollout_resources)
-    if rollouts_ahead(cfg) > 1:
-        opts["concurrency_groups"] = {"weights": 1}
-    cls = ray.remote(max_restarts=c.actor_max_restarts, **opts)(
+    cls = ray.remote(max_restarts=c.actor_max_restarts, concurrency_groups=WEIGHTS_GROUP, **opts)(
         pinned(RolloutActor, c.rollout_cores))
     return cls.remote(cfg.rollout, cfg.task, cfg.rollout.model_path, actor_id=actor_id)
 
@@ -109,7 +109,7 @@ def spawn_scorer(cfg):
 
     c = cfg.cluster
     opts = actor_options(c.scorer_cpus, c.scorer_gpus, c.scorer_resources)
-    cls = ray.remote(max_restarts=c.actor_max_restarts, **opts)(
+    cls = ray.remote(max_restarts=c.actor_max_restarts, concurrency_groups=WEIGHTS_GROUP, **opts)(
         pinned(ScorerActor, c.scorer_cores))
     ref = cfg.rollout.model_path if needs_reference(cfg) else None
     return cls.remote(cfg.scorer, cfg.rollout.model_path, cfg.rollout.temperature,
@@ -144,10 +144,9 @@ def connect_weight_sync(pools: Pools, cfg, port: int | None = None) -> None:
     backend = getattr(c.weight_sync_backend, "value", c.weight_sync_backend)
     calls = [pools.learners[0].init_weight_sync.remote(c.host, port, world, backend,
                                                        c.weight_sync_bucket_mb, timeout_s=timeout)]
-    ahead = [pools.rollouts_ahead] * len(pools.rollout) + [1] * len(pools.scorer)
-    calls += [_weights_group(a, "init_weight_sync", s).remote(c.host, port, rank, world,
-                                                               timeout_s=timeout)
-              for rank, (a, s) in enumerate(zip(pools.receivers, ahead), start=1)]
+    calls += [weights_call(a, "init_weight_sync").remote(c.host, port, rank, world,
+                                                          timeout_s=timeout)
+              for rank, a in enumerate(pools.receivers, start=1)]
     # every member's answer, not the first error: a failed formation leaves no member still
     # waiting in it (each waits at most the timeout), so a re-formation can follow at once
     ray.wait(calls, num_returns=len(calls))
@@ -163,32 +162,27 @@ def on_learners(pools: Pools, method: str, *args):
 
 
 def broadcast_weights(pools: Pools, verify: bool = True) -> tuple[int, dict]:
-    """Learner rank 0 sends its weights; every receiver swaps them in between batches.
+    """Learner rank 0 sends its weights; every receiver stages them (``actors.weights``).
 
     Returns the version and, with ``verify``, the learner's weight checksum and the largest relative
     difference of any receiver's checksum from it (0.0 when every actor holds the learner's weights).
 
-    With ``pools.rollouts_ahead > 1`` the rollout actors *stage* the weights (``stage_weights``, in
-    their "weights" concurrency group, beside queued rollouts) and swap them in at the start of
-    their next rollout/evaluate; their checksum here is the staged copy's, which the swap checks
-    the model against. Scorers always receive straight into the model (they are idle meanwhile).
+    Receivers stage in their "weights" concurrency group, beside a rollout or scoring call in
+    progress, so this returns as soon as the bytes have landed, never after a running rollout;
+    each actor swaps the staged copy in at the start of its next batch. A receiver's checksum is
+    its staged copy's, computed where the copy lives, which the swap checks the model against.
     """
     import ray
 
-    ahead = pools.rollouts_ahead > 1
     sent = [lrn.broadcast_weights.remote() for lrn in pools.learners]  # rank 0 sends
-    staged = [a.stage_weights.options(concurrency_group="weights").remote(verify)
-              for a in pools.rollout] if ahead else []
-    got = [a.sync_weights.remote() for a in (pools.scorer if ahead else pools.receivers)]
+    staged = [weights_call(a, "stage_weights").remote(verify) for a in pools.receivers]
     version = ray.get(sent)[0]
     staged = ray.get(staged)
-    versions = [s["version"] for s in staged] + ray.get(got)
+    versions = [s["version"] for s in staged]
     if any(v != version for v in versions):
         raise RuntimeError(f"weight broadcast version mismatch: learner {version}, actors {versions}")
     if not verify:
         return version, {}
     ref = on_learners(pools, "state_checksum")
-    sums = [s["checksum"] for s in staged] + ray.get(
-        [a.state_checksum.remote() for a in (pools.scorer if ahead else pools.receivers)])
-    diff = max(abs(s - ref) / max(abs(ref), 1e-12) for s in sums)
+    diff = max(abs(s["checksum"] - ref) / max(abs(ref), 1e-12) for s in staged)
     return version, {"weights/checksum": ref, "weights/max_rel_diff": diff}

@@ -21,6 +21,11 @@ spec itself is agreed once, at construction, through the store: the sender publi
 dtypes), bucket size and backend; a receiver whose parameter names or shapes differ fails there, and
 makes every rank fail, with the first differing entry named, instead of hanging in a broadcast of
 the wrong size.
+
+Failures (``cluster.sync_guard``): every transfer starts at a gate in the store that every rank must
+reach within the timeout, and NCCL groups are built so that a timed-out collective raises in the
+caller instead of aborting the process; a failed transfer leaves the group broken (later calls raise
+``WeightSyncError`` at once) until it is re-formed.
 """
 from __future__ import annotations
 
@@ -28,16 +33,18 @@ import json
 import os
 import secrets
 import socket
-from dataclasses import dataclass
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 
+from cluster.buckets import (DIRECT_BYTES, Bucket, SpecEntry, direct_view, itemsize,  # noqa: F401
+                             numel_of, plan_buckets)
 from cluster.shm_ring import SHM_DIR, ShmRing, slot_bytes_for
+from cluster.sync_guard import Gate, WeightSyncError, make_process_group
 
-SpecEntry = tuple[str, tuple[int, ...], torch.dtype]
 DEFAULT_BUCKET_BYTES = 64 << 20
 _VERDICT_OK = "ok"
 
@@ -68,17 +75,6 @@ def _spec_json(spec: Iterable[SpecEntry]) -> str:
     return json.dumps([[n, list(s), str(d)] for n, s, d in spec])
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _dtype(name: str) -> torch.dtype:
     """'torch.bfloat16' -> torch.bfloat16."""
     dtype = getattr(torch, name.rsplit(".", 1)[-1], None)
@@ -95,58 +91,6 @@ def _spec_diff(mine: list, theirs: list) -> str | None:
     if len(mine) != len(theirs):
         return f"receiver has {len(mine)} tensors, sender has {len(theirs)}"
     return None
-
-
-@dataclass(frozen=True)
-class _Bucket:
-    dtype: torch.dtype
-    numel: int
-    entries: tuple[tuple[int, int, int], ...]  # (spec index, offset, numel)
-
-
-# A tensor this large (or larger than a bucket) travels alone: the sender broadcasts it in place and
-# the receiver can land it straight in its parameter, so neither side copies it. Below this, packing
-# is cheaper than one more message (a gloo message costs tens of microseconds, a 1 MiB copy ~0.2 ms).
-DIRECT_BYTES = 1 << 20
-
-
-def plan_buckets(spec: list[SpecEntry], bucket_bytes: int) -> list[_Bucket]:
-    """Group consecutive same-dtype tensors into flat buckets of at most ``bucket_bytes``; a tensor
-    of at least ``min(DIRECT_BYTES, bucket_bytes)`` gets a bucket of its own."""
-    buckets: list[_Bucket] = []
-    cur: list[tuple[int, int, int]] = []
-    cur_dtype, cur_numel = None, 0
-    alone_bytes = min(DIRECT_BYTES, bucket_bytes)
-
-    def close():
-        if cur:
-            buckets.append(_Bucket(cur_dtype, cur_numel, tuple(cur)))
-
-    for i, (_, shape, dtype) in enumerate(spec):
-        numel = 1
-        for s in shape:
-            numel *= s
-        itemsize = _itemsize(dtype)
-        alone = numel * itemsize >= alone_bytes
-        if cur and (alone or dtype != cur_dtype or (cur_numel + numel) * itemsize > bucket_bytes):
-            close()
-            cur, cur_numel = [], 0
-        cur_dtype = dtype
-        cur.append((i, cur_numel, numel))
-        cur_numel += numel
-        if alone:
-            close()
-            cur, cur_numel = [], 0
-    close()
-    return buckets
-
-
-def _direct(t: torch.Tensor | None, dtype: torch.dtype, device: torch.device, numel: int):
-    """``t`` as a flat view the wire can use as is (same dtype, device, size; contiguous), or None."""
-    if t is None or t.dtype != dtype or t.device != device or t.numel() != numel \
-            or not t.is_contiguous():
-        return None
-    return t.detach().view(-1)
 
 
 def listen_fd(host: str, port: int) -> int:
@@ -189,7 +133,10 @@ class _Group:
                                    timeout=self.timeout, wait_for_workers=False, **server)
         self._agree_on_spec()
         self.buckets = plan_buckets(self.spec, self.bucket_bytes)
-        self.pg = self._make_pg()
+        self.pg = make_process_group(self.backend, self.store, rank, world_size, self.timeout)
+        self.gate = Gate(self.store, key, rank, world_size, self.timeout)
+        self._seq = 0                      # transfers started (every rank counts the same)
+        self._broken: str | None = None    # why the last transfer failed: re-form the group
         # NCCL moves CUDA tensors only: buckets live on this process's current GPU
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
             else torch.device("cpu")
@@ -263,7 +210,7 @@ class _Group:
         if not (self._shm_allowed and self.backend == "gloo" and self.world_size > 1
                 and os.path.isdir(SHM_DIR)):
             return None
-        total = sum(_numel(shape) * _itemsize(dtype) for _, shape, dtype in self.spec)
+        total = sum(numel_of(shape) * itemsize(dtype) for _, shape, dtype in self.spec)
         path = os.path.join(SHM_DIR, f"sparse-rl-weights-{os.getpid()}-{secrets.token_hex(6)}")
         try:
             self.ring = ShmRing(path, slot_bytes_for(total))
@@ -294,14 +241,23 @@ class _Group:
         self.pg.allreduce(t).wait()
         return t.tolist()
 
-    def _make_pg(self):
-        if self.backend == "gloo":
-            return dist.ProcessGroupGloo(self.store, self.rank, self.world_size, self.timeout)
-        if not hasattr(dist, "ProcessGroupNCCL") or not torch.cuda.is_available():
-            raise RuntimeError("weight sync backend 'nccl' needs a CUDA build of torch and a GPU")
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = self.timeout
-        return dist.ProcessGroupNCCL(self.store, self.rank, self.world_size, opts)
+    @contextmanager
+    def _transfer(self):
+        """One send or receive: refused on a broken group; every rank at the gate first
+        (``cluster.sync_guard.Gate``); any failure inside breaks the group and surfaces as
+        ``WeightSyncError`` (the cause's message kept)."""
+        if self._broken is not None:
+            raise WeightSyncError(f"weight sync group is broken by an earlier failure "
+                                  f"({self._broken}): re-form it (init_weight_sync) first")
+        self._seq += 1
+        try:
+            self.gate.enter(self._seq)
+            yield
+        except Exception as err:
+            self._broken = f"transfer {self._seq}: {err}"
+            if isinstance(err, WeightSyncError):
+                raise
+            raise WeightSyncError(f"weight sync transfer {self._seq} failed: {err}") from err
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         self.pg.broadcast(tensor, 0).wait()
@@ -310,11 +266,16 @@ class _Group:
         """Leave the group (before re-forming it, e.g. on a new port after an actor restart or a
         pool resize). Rank 0's TCPStore server stops when its last reference goes."""
         self._drop_ring()
+        if self.backend == "nccl" and self.pg is not None:
+            try:  # stop its kernels now rather than wait for them (a peer may be gone)
+                self.pg.abort()
+            except Exception:  # already aborted by a timed-out wait
+                pass
         self.pg = None
         self.store = None
         self._flats = {}
 
-    def _staging(self, i: int, b: _Bucket) -> torch.Tensor:
+    def _staging(self, i: int, b: Bucket) -> torch.Tensor:
         """Bucket ``i``'s flat buffer, kept between calls: fresh 100 MB buffers cost page faults
         every time (a 50 MB ``clone`` takes ~3x a copy into memory already touched)."""
         flat = self._flats.get(i)
@@ -351,15 +312,17 @@ class WeightSender(_Group):
                 raise ValueError(f"weight sync send: {name} has shape "
                                  f"{tuple(by_name[name].shape)}, spec says {shape}")
         header = [int(version), len(self.buckets)]
-        if self.ring is not None:
-            self.ring.send([f.view(torch.uint8) for f in self._wire(by_name)], self._barrier, header)
-        else:
-            self.broadcast(torch.tensor(header, dtype=torch.int64, device=self.device))
-            # asynchronous: bucket i goes out while ``_wire`` packs bucket i+1
-            works = [self.pg.broadcast(flat, 0) for flat in self._wire(by_name)]
-            for w in works:
-                w.wait()
-        return {"bytes": sum(b.numel * _itemsize(b.dtype) for b in self.buckets),
+        with self._transfer():
+            if self.ring is not None:
+                self.ring.send([f.view(torch.uint8) for f in self._wire(by_name)], self._barrier,
+                               header)
+            else:
+                self.broadcast(torch.tensor(header, dtype=torch.int64, device=self.device))
+                # asynchronous: bucket i goes out while ``_wire`` packs bucket i+1
+                works = [self.pg.broadcast(flat, 0) for flat in self._wire(by_name)]
+                for w in works:
+                    w.wait()
+        return {"bytes": sum(b.numel * itemsize(b.dtype) for b in self.buckets),
                 "buckets": len(self.buckets), "transport": "shm" if self.ring else self.backend}
 
     @torch.no_grad()
@@ -374,15 +337,21 @@ class WeightSender(_Group):
         if self.ring is not None:
             raise RuntimeError("send_streamed needs the TCP/NCCL path: WeightSender(..., "
                                "same_host_shm=False)")
-        self.broadcast(torch.tensor([int(version), len(self.buckets)], dtype=torch.int64,
-                                    device=self.device))
+        with self._transfer():
+            self.broadcast(torch.tensor([int(version), len(self.buckets)], dtype=torch.int64,
+                                        device=self.device))
+            self._stream_buckets(fetch)
+        return {"bytes": sum(b.numel * itemsize(b.dtype) for b in self.buckets),
+                "buckets": len(self.buckets), "transport": f"{self.backend} (streamed)"}
+
+    def _stream_buckets(self, fetch) -> None:
         packed: dict[torch.dtype, torch.Tensor] = {}
         for b in self.buckets:
             if len(b.entries) == 1:
                 name, shape, _ = self.spec[b.entries[0][0]]
                 with fetch(name) as t:
                     self._check_shape(name, t, shape)
-                    flat = _direct(t, b.dtype, self.device, b.numel)
+                    flat = direct_view(t, b.dtype, self.device, b.numel)
                     if flat is None:
                         flat = self._pack_buffer(packed, b)
                         flat.copy_(t.reshape(-1))
@@ -395,10 +364,8 @@ class WeightSender(_Group):
                     self._check_shape(name, t, shape)
                     flat[off:off + numel].copy_(t.reshape(-1))
             self.broadcast(flat)
-        return {"bytes": sum(b.numel * _itemsize(b.dtype) for b in self.buckets),
-                "buckets": len(self.buckets), "transport": f"{self.backend} (streamed)"}
 
-    def _pack_buffer(self, packed: dict, b: _Bucket) -> torch.Tensor:
+    def _pack_buffer(self, packed: dict, b: Bucket) -> torch.Tensor:
         """The first ``b.numel`` elements of one reused buffer per dtype, as large as the largest
         bucket of that dtype."""
         if b.dtype not in packed:
@@ -418,7 +385,7 @@ class WeightSender(_Group):
         for i, b in enumerate(self.buckets):
             flat = None
             if len(b.entries) == 1:
-                flat = _direct(by_name[self.spec[b.entries[0][0]][0]], b.dtype, self.device, b.numel)
+                flat = direct_view(by_name[self.spec[b.entries[0][0]][0]], b.dtype, self.device, b.numel)
             if flat is None:
                 flat = self._staging(i, b)
                 for idx, off, numel in b.entries:
@@ -456,6 +423,10 @@ class WeightReceiver(_Group):
         if into is not None:  # checked before the header: never fail half-way through a transfer
             self._check_into(into)
         flats = [self._landing(i, b, into) for i, b in enumerate(self.buckets)]
+        with self._transfer():
+            return self._receive_into(flats, into)
+
+    def _receive_into(self, flats: list[torch.Tensor], into) -> tuple[int, list]:
         if self.ring is not None:
             version, num_buckets = self.ring.receive([f.view(torch.uint8) for f in flats],
                                                      self._barrier, 2)
@@ -482,12 +453,12 @@ class WeightReceiver(_Group):
                 out.append((name, t))
         return version, out
 
-    def _landing(self, i: int, b: _Bucket, into: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
+    def _landing(self, i: int, b: Bucket, into: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
         """Where bucket ``i`` arrives: its destination when it is a lone tensor the wire can
         write as is, else the bucket's staging buffer."""
         flat = None
         if into is not None and len(b.entries) == 1:
-            flat = _direct(into[self.spec[b.entries[0][0]][0]], b.dtype, self.device, b.numel)
+            flat = direct_view(into[self.spec[b.entries[0][0]][0]], b.dtype, self.device, b.numel)
         return self._staging(i, b) if flat is None else flat
 
     def _check_into(self, into: Mapping[str, torch.Tensor]) -> None:

@@ -140,7 +140,15 @@ def checksum(named_tensors) -> float:
     Used by tests and logs to check that rollout/scorer weights equal the learner's after a broadcast.
     Names are sorted so the same weights always give the same number.
     """
-    return checksum_of_sums({n: float(t.detach().float().abs().sum()) for n, t in named_tensors})
+    return checksum_of_sums({n: abs_sum(t) for n, t in named_tensors})
+
+
+@torch.no_grad()
+def abs_sum(t: torch.Tensor) -> float:
+    """sum(|t|), computed where ``t`` lives (on its GPU for CUDA tensors: no copy to the host),
+    accumulated in float64 so the CPU's and a GPU's reduction orders agree far below any real
+    difference of weights, and a bf16 tensor sums to exactly what its float32 copy does."""
+    return float(t.detach().abs().sum(dtype=torch.float64))
 
 
 def checksum_of_sums(abs_sums: dict[str, float]) -> float:

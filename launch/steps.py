@@ -190,7 +190,9 @@ def score_pending(pools, cfg, version: int) -> None:
 
 def sync_weights(pools, cfg) -> tuple[int, dict]:
     """``broadcast_weights``; when a receiver died on the way, replace it (the group re-forms) and
-    send again, so the job goes on without a restart."""
+    send again, so the job goes on without a restart. A dead peer fails the broadcast on every
+    live member within ``cluster.weight_sync_timeout_s``, on gloo and NCCL alike
+    (``cluster.sync_guard``): here as the learner's or a receiver's task error."""
     from ray.exceptions import RayActorError, RayTaskError
 
     from cluster.elastic import replace_dead

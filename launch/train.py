@@ -112,8 +112,8 @@ def main(argv: list[str]) -> dict:
         # input, loss or gradient skips the step instead (counted, named; launch/faults.py).
         metrics, trained = faults.train(pools, cfg, batch, to_tensors(batch, pad_id), step, version)
 
-        # 6e. New weights to every rollout and scorer actor, between generation batches (in async
-        # mode the actors take them once their current rollout finishes; rollouts ahead: staged).
+        # 6e. New weights to every rollout and scorer actor: staged beside any rollout still
+        # running (never waited for), swapped in before each actor's next batch.
         version, sync = sync_weights(pools, cfg)
         if not overlap:
             fill_rollouts(in_flight, pools, sampler, version, cfg.run.steps)

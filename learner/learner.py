@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from common.dtypes import Dtype, torch_dtype
-from common.modeling import checksum_of_sums, load_model, token_logprobs
+from common.modeling import abs_sum, checksum_of_sums, load_model, token_logprobs
 from learner.batch import PREPARED, combine_weighted
 from learner.guard import (GRAD, LOSS, discard_grads, nonfinite_optimizer_state,
                            nonfinite_weight, step_fault)
@@ -378,7 +378,7 @@ class Learner:
         sums = {}
         for name in self._params:
             with self._full(name) as t:
-                sums[name] = float(t.float().abs().sum())
+                sums[name] = abs_sum(t)
         return sums
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:

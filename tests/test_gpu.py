@@ -6,7 +6,9 @@
 * dense scorer on CUDA in bf16: the frozen reference and the batch-composition tolerance;
 * vLLM (CUDA build) in bf16: generate, reload weights from CUDA tensors (no trip through host
   memory), reload the originals and get the same outputs back;
-* NCCL weight broadcast (cluster.weight_sync) between two processes, one GPU each (needs 2 GPUs);
+* NCCL weight broadcast (cluster.weight_sync) between two processes, one GPU each (needs 2 GPUs),
+  and a peer dying mid-broadcast: an error in the sender, not a process abort (2 GPUs); a group of
+  one on one GPU (blocking-wait construction, the gate) and checksums equal on GPU and CPU;
 * the learner's memory on CUDA: ``bench/learner_memory.py``'s bar (peak allocated of one train
   step with vocab 152k and 4k-token responses <= 0.25x the full-vocabulary computation, same loss)
   and a bf16 DeepSpeed learner step with gradient checkpointing.
@@ -190,6 +192,82 @@ def test_nccl_weight_broadcast_between_two_gpus(tiny):
     assert got[1][1] == (7, True)                       # the version, received on the GPU
     assert got[1][0] == pytest.approx(got[0][0], rel=1e-12)
     assert got[0][0] != pytest.approx(checksum(load_model(tiny).named_parameters()), rel=1e-6)
+
+
+def _nccl_dead_peer_worker(rank: int, port: int, q) -> None:
+    """Rank 1 receives once, then dies inside the second transfer after its gate; rank 0 must get
+    ``WeightSyncError`` from that send (its process alive: no watchdog abort), then a refusal."""
+    import os
+    import time
+
+    from cluster.sync_guard import WeightSyncError
+    from cluster.weight_sync import WeightReceiver, WeightSender
+
+    spec = [("w", (1 << 22,), torch.float32)]
+    try:
+        torch.cuda.set_device(rank)
+        w = torch.ones(1 << 22, device="cuda")
+        if rank == 1:
+            r = WeightReceiver("127.0.0.1", port, 1, 2, spec, timeout_s=5)
+            r.receive(into={"w": w})
+            enter = r.gate.enter
+            r.gate.enter = lambda seq: (enter(seq), os._exit(0))
+            r.receive(into={"w": w})
+            return
+        s = WeightSender("127.0.0.1", port, 2, spec, backend="nccl", timeout_s=5)
+        s.send([("w", w)], 1)
+        t0 = time.monotonic()
+        try:
+            s.send([("w", w)], 2)
+            q.put((rank, "error", "the send to a dead peer returned", None))
+            return
+        except WeightSyncError as e:
+            elapsed, first = time.monotonic() - t0, str(e)
+        try:
+            s.send([("w", w)], 3)
+        except WeightSyncError as e:
+            q.put((rank, "ok", elapsed, (first, str(e))))
+    except Exception as e:
+        q.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", None))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="NCCL needs one GPU per rank: 2 GPUs")
+def test_nccl_dead_peer_mid_broadcast_is_an_error_not_a_process_abort():
+    from cluster.weight_sync import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_nccl_dead_peer_worker, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rank, status, elapsed, msgs = q.get(timeout=180)
+    assert (rank, status) == (0, "ok"), elapsed
+    assert elapsed < 60                                   # the 5 s group timeout, plus the abort
+    assert "transfer 2 failed" in msgs[0] and "broken" in msgs[1]
+    for p in procs:
+        p.join(timeout=60)
+    assert procs[0].exitcode == 0                         # not killed by NCCL's watchdog
+
+
+def test_nccl_group_of_one_builds_with_blocking_wait_and_sends():
+    """One GPU: the NCCL group is built with TORCH_NCCL_BLOCKING_WAIT for its constructor only,
+    and a transfer (gate included) runs; checksums agree between the GPU and the CPU."""
+    import os
+
+    from cluster.weight_sync import WeightSender, free_port
+    from common.modeling import abs_sum
+
+    before = os.environ.get("TORCH_NCCL_BLOCKING_WAIT")
+    w = torch.randn(1 << 20, device="cuda")
+    s = WeightSender("127.0.0.1", free_port(), 1, [("w", (1 << 20,), torch.float32)],
+                     backend="nccl", timeout_s=30)
+    assert os.environ.get("TORCH_NCCL_BLOCKING_WAIT") == before
+    assert s.send([("w", w)], 4)["transport"] == "nccl"
+    s.close()
+    assert abs_sum(w) == pytest.approx(abs_sum(w.cpu()), rel=1e-12)
+    assert abs_sum(w.bfloat16()) == pytest.approx(abs_sum(w.bfloat16().float().cpu()), rel=1e-12)
 
 
 def test_learner_memory_bar_on_cuda(capsys):

@@ -83,8 +83,9 @@ def test_weights_via_load_and_weight_sync(model_dir, tmp_path):
 
 
 def test_weights_received_in_place_reach_generation(tmp_path):
-    """MLP weights of 2 MiB travel alone and land straight in the parameters (with gloo over TCP
-    nothing bumps their ``_version``): generation afterwards uses exactly the new weights."""
+    """MLP weights of 2 MiB travel alone and land straight in the staging copy, which the swap
+    copies into the parameters (nothing bumps their ``_version``): generation afterwards uses
+    exactly the new weights, not caches built from the old ones."""
     from cluster.weight_sync import WeightSender, free_port
     from common.modeling import load_model
 
@@ -186,11 +187,57 @@ def test_staged_weights_swap_in_between_rollouts_never_mid_generation(tmp_path):
 
 
 def test_swap_refuses_staged_weights_that_differ_from_their_checksum(model_dir):
+    from actors.weights import StagedWeights
+
     actor = make_actor(model_dir)
-    actor._staged = {n: p.detach().clone() for n, p in actor.engine.model.named_parameters()}
-    actor._staged_version, actor._staged_sum = 5, actor.state_checksum() + 1.0
+    staging = StagedWeights(None, actor._weight_template())
+    staging._staged = {n: p.detach().clone() for n, p in actor.engine.model.named_parameters()}
+    staging.version, staging.checksum = 5, actor.state_checksum() + 1.0
+    actor._receiver = staging
     with pytest.raises(RuntimeError, match="checksum"):
         actor.evaluate(PROBLEMS[:1])
+
+
+def _stage_from_thread(actor, named, version: int) -> dict:
+    """Join a one-receiver group with a sender thread standing in for the learner, send ``named``
+    tagged ``version``, and return what ``stage_weights`` reports."""
+    from cluster.weight_sync import WeightSender, free_port
+
+    port, spec, sent = free_port(), actor.weight_spec(), {}
+
+    def learner():
+        sender = WeightSender("127.0.0.1", port, 2, spec)
+        sender.send(named, version)
+        sent["ok"] = True
+
+    th = threading.Thread(target=learner)
+    th.start()
+    actor.init_weight_sync("127.0.0.1", port, 1, 2)
+    staged = actor.stage_weights()
+    th.join(60)
+    assert sent.get("ok")
+    return staged
+
+
+def test_a_call_tagged_with_a_version_runs_on_it_even_with_a_newer_one_staged(tmp_path):
+    """run.rollouts_ahead=1 in async mode: the driver tags a batch with version v when it launches
+    it; a broadcast of v+1 may be staged before the actor starts that batch. The batch must still
+    run on v (its rows say v); the next batch tagged v+1 swaps v+1 in."""
+    from common.modeling import load_model
+
+    base = str(build_model(tmp_path / "b", "tiny", seed=0))
+    other = load_model(build_model(tmp_path / "o", "tiny", seed=5))
+    ref_old = make_actor(base).rollout(PROBLEMS, version=0, batch=1)
+    actor = make_actor(base)
+    old_sum = actor.state_checksum()
+    staged = _stage_from_thread(actor, list(other.named_parameters()), 1)
+    assert staged == {"version": 1, "checksum": NativeChecksum(other)}
+    rows = actor.rollout(PROBLEMS, version=0, batch=1)     # launched before the broadcast
+    assert actor.state_checksum() == old_sum and actor.swaps == []
+    assert [r["sampler_logprobs"] for r in rows] == [r["sampler_logprobs"] for r in ref_old]
+    rows = actor.rollout(PROBLEMS, version=1, batch=2)     # the next batch: swapped first
+    assert actor.version == 1 and actor.swaps == [(1, NativeChecksum(other))]
+    assert all(r["policy_version"] == 1 for r in rows)
 
 
 def NativeChecksum(model):

@@ -22,8 +22,8 @@ sliding-window KV cache (``rollout.kv.policy=streaming``).
 * Weights: ``load_weights`` validates HF-named tensors, then reloads them in memory through the model
   runner's ``reload_weights(weights_iterator=...)`` and resets the prefix cache. Tensors keep the
   device they arrive on (CUDA with ``cluster.weight_sync_backend=nccl``): no device -> host -> device
-  round trip. On GPU, with ``weight_transfer="nccl"``, ``init_weight_transfer`` /
-  ``receive_weights_nccl`` use vLLM's NCCL weight-transfer engine instead.
+  round trip. Broadcasts reach the engine the same way on every backend: the rollout actor's
+  ``cluster.weight_sync`` receiver stages them (``actors.weights``), then ``load_weights``.
 * Resources (``rollout.vllm``, ``VLLMConfig``): on GPU ``gpu_memory_utilization`` and
   ``tensor_parallel_size`` go to vLLM (and ``kv_cache_bytes`` only when set); on CPU the KV pool is
   ``kv_cache_bytes`` (default: ``_pool_bytes``) and tensor parallelism is refused. ``max_model_len``
@@ -41,7 +41,7 @@ from actors.config import KVConfig, longest_prompt
 from actors.engine import GenerationOutput, SamplingParams
 from actors.vllm import kv as kvmod
 from actors.vllm.env import setup_env
-from actors.vllm.weights import Ledger, hf_skeleton, nccl_update_info, spec_of, validate
+from actors.vllm.weights import Ledger, hf_skeleton, spec_of, validate
 from common.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,7 +51,7 @@ class VLLMEngine:
     def __init__(self, model_path: str | Path, kv: KVConfig | None = None, batch_size: int = 64,
                  dtype: str = "float32", kv_cache_bytes: int | None = None,
                  max_model_len: int | None = None, seed: int = 0, threads: int | None = 1,
-                 enforce_eager: bool | None = None, weight_transfer: str | None = None,
+                 enforce_eager: bool | None = None,
                  block_size: int | None = None, gpu_memory_utilization: float = 0.9,
                  tensor_parallel_size: int = 1):
         setup_env()
@@ -72,7 +72,6 @@ class VLLMEngine:
         self.last_stats: dict = {}
         self._calls = 0
         self._broken: str | None = None
-        self._transfer = weight_transfer
         if threads:
             torch.set_num_threads(int(threads))   # before vLLM freezes the thread count
         self.gpu_memory_utilization = float(gpu_memory_utilization)
@@ -139,10 +138,6 @@ class VLLMEngine:
                 kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
         if block_size:
             kwargs["block_size"] = int(block_size)
-        if self._transfer:
-            from vllm.config import WeightTransferConfig
-
-            kwargs["weight_transfer_config"] = WeightTransferConfig(backend=self._transfer)
         return LLM(**kwargs)
 
     def _check_max_model_len(self, max_model_len: int | None) -> int:
@@ -240,7 +235,7 @@ class VLLMEngine:
         Tensors stay on the device they come on: with an NCCL weight-sync group they are CUDA
         tensors and reach vLLM's GPU parameters without a trip through host memory. (With
         ``tensor_parallel_size > 1`` vLLM's workers are other processes and ``collective_rpc``
-        pickles the tensors; vLLM's NCCL weight transfer avoids that: ``init_weight_transfer``.)
+        pickles the tensors.)
         """
         if self._broken:
             raise RuntimeError(self._broken)
@@ -260,39 +255,9 @@ class VLLMEngine:
 
     def state_checksum(self) -> float:
         """``common.modeling.checksum`` of the HF-named weights last loaded successfully (vLLM's own
-        parameters are fused/repacked and cannot be read back as HF tensors)."""
-        if self._ledger is None:
-            raise RuntimeError("vllm engine: no checksum after an NCCL weight transfer (the "
-                               "tensors never passed through this process)")
+        parameters are fused/repacked and cannot be read back as HF tensors), each tensor's
+        share computed on the device it arrived on."""
         return self._ledger.checksum()
-
-    # ---- GPU: vLLM's NCCL weight transfer (real path, untestable on CPU) ------------------------
-    def init_weight_transfer(self, master_address: str, master_port: int, rank_offset: int,
-                             world_size: int, packed: bool = True) -> None:
-        """Join the trainer's NCCL group (trainer = rank 0). Needs ``weight_transfer="nccl"``."""
-        if self._transfer != "nccl":
-            raise RuntimeError("init_weight_transfer needs VLLMEngine(weight_transfer='nccl')")
-        info = {"master_address": master_address, "master_port": int(master_port),
-                "rank_offset": int(rank_offset), "world_size": int(world_size), "packed": packed}
-        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": info})
-
-    def receive_weights_nccl(self, spec: list[tuple[str, tuple, torch.dtype]], version: int) -> None:
-        """Receive one broadcast of the HF-named tensors in ``spec`` order (a collective with the
-        trainer's NCCL send), then reset the prefix cache."""
-        unknown = [n for n, _, _ in spec if n not in self._spec]
-        if unknown:
-            raise ValueError(f"receive_weights_nccl: model has no parameter {unknown[0]!r}")
-        info = nccl_update_info(spec)
-        self.llm.collective_rpc("start_weight_update")
-        try:
-            self.llm.collective_rpc("update_weights", kwargs={"update_info": info})
-            self.llm.collective_rpc("finish_weight_update")
-        except BaseException as exc:
-            self._broken = f"vllm engine: NCCL weight update failed ({exc!r}): rebuild the engine"
-            raise
-        self.llm.reset_prefix_cache()
-        self._ledger = None
-        self.version = int(version)
 
 
 def derive_max_model_len(cfg, model_config) -> int:

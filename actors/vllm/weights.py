@@ -1,4 +1,4 @@
-"""Weights of the vLLM engine under their HF names: spec, validation, checksum, GPU NCCL transfer.
+"""Weights of the vLLM engine under their HF names: spec, validation, checksum.
 
 vLLM fuses HF parameters (``q_proj``/``k_proj``/``v_proj`` -> ``qkv_proj``, ``gate_proj``/``up_proj``
 -> ``gate_up_proj``) and, on CPU, repacks linear weights into kernel formats and drops the original
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-SpecEntry = tuple[str, tuple[int, ...], torch.dtype]
+from common.modeling import abs_sum, checksum_of_sums
 
 
 def hf_skeleton(model_path: str | Path, dtype: torch.dtype):
@@ -78,7 +78,7 @@ class Ledger:
     @torch.no_grad()
     def record(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, t in named:
-            self.sums[name] = float(t.detach().to(self.dtype).float().abs().sum())
+            self.sums[name] = abs_sum(t.detach().to(self.dtype))  # on t's device
 
     def record_checkpoint(self, model_path: str | Path, spec: dict) -> None:
         """Initial weights: read the safetensors files of model_path (names outside spec skipped,
@@ -96,14 +96,4 @@ class Ledger:
 
     def checksum(self) -> float:
         """Same number as ``common.modeling.checksum`` over the HF parameters."""
-        total = 0.0
-        for i, name in enumerate(sorted(self.sums)):
-            total += self.sums[name] * (1 + i % 7)
-        return total
-
-
-def nccl_update_info(spec_entries: list[SpecEntry]) -> dict:
-    """vLLM's ``NCCLWeightTransferUpdateInfo`` payload (names, dtype names, shapes) for a spec."""
-    return {"names": [n for n, _, _ in spec_entries],
-            "dtype_names": [str(d).removeprefix("torch.") for _, _, d in spec_entries],
-            "shapes": [list(s) for _, s, _ in spec_entries]}
+        return checksum_of_sums(self.sums)
