@@ -98,10 +98,8 @@ def _init_default_group(rank: int, world_size: int, addr: str, port: int,
     if dist.is_initialized():
         return
     use_interface_toward(addr)
-    if rank == 0:
-        server = {"master_listen_fd": listen_fd(addr, port) if listen_sock is None else listen_sock}
-    else:
-        server = {}
+    sock = (listen_fd(addr, port) if listen_sock is None else listen_sock) if rank == 0 else None
+    server = {"master_listen_fd": sock} if rank == 0 else {}
     store = dist.TCPStore(addr, port, world_size, is_master=(rank == 0), **server)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
@@ -477,8 +475,8 @@ class Learner:
             raise RuntimeError("only learner rank 0 sends weights")
         if self._sender is not None:  # re-forming (actor restart / pool resize): leave the old group
             self._sender.close()
-        self._sender = None
-        sock, self._ws_endpoint = take_endpoint(self._ws_endpoint, host, port), None
+        sock, self._sender, self._ws_endpoint = take_endpoint(self._ws_endpoint, host, port), \
+            None, None
         self._sender = WeightSender(host, port, world_size, self.weight_spec(), backend=backend,
                                     bucket_bytes=int(bucket_mb) << 20, timeout_s=float(timeout_s),
                                     same_host_shm=not self._zero3, listen_sock=sock)
