@@ -9,6 +9,12 @@ from common.errors import ConfigError
 from common.validate import check_range
 
 
+class Placement(str, Enum):
+    """How each pool's placement group spreads its actors over nodes (Ray's PACK / SPREAD)."""
+    pack = "pack"       # as few nodes as possible (the learners' collectives stay on one node)
+    spread = "spread"   # across nodes (one node's loss takes fewer actors of a pool)
+
+
 class CommBackend(str, Enum):
     """Backend of the weight-broadcast group: gloo on CPU, nccl between GPUs."""
     gloo = "gloo"
@@ -21,8 +27,9 @@ class ClusterConfig:
     # "ray://host:10001": join an existing cluster (e.g. under `ray job submit` or on KubeRay).
     address: str | None = None
     num_cpus: int = 2                   # CPUs given to a local Ray (ignored when joining a cluster)
-    host: str = "127.0.0.1"             # address the weight-sync group's TCPStore binds to
-    weight_sync_port: int = 0           # 0: pick a free port
+    # Learner rank 0 serves DeepSpeed's group and the weight-sync group on its own node's IP
+    # (loopback on a local Ray) and reports the address; this is the weight-sync port (0: a free one)
+    weight_sync_port: int = 0
     weight_sync_backend: CommBackend = CommBackend.gloo
     weight_sync_bucket_mb: int = 64
     # Longest wait of any weight-sync step (group formation, one broadcast): a member that died or
@@ -46,6 +53,9 @@ class ClusterConfig:
     learner_resources: dict[str, float] = field(default_factory=dict)
     # KubeRay: {buffer_pool: 1}, which only the head advertises, keeps the buffer beside the driver
     buffer_resources: dict[str, float] = field(default_factory=dict)
+    # One Ray placement group per pool (learners: one group for the DeepSpeed ranks), its bundles
+    # (one per actor) packed onto few nodes or spread over many.
+    placement: Placement = Placement.pack
     # CPU ids each pool's actor processes are pinned to (sched_setaffinity, and that many torch
     # threads); empty: no pinning. Emulates disjoint per-pool hardware on one machine, e.g. rollout
     # on core 0 and learner + scorer on core 1, so the pools stop competing for the same cores.
@@ -71,6 +81,24 @@ class ClusterConfig:
             check_range(f"{prefix}.{name}", getattr(self, name), 0.0, 8.0)
         for name in ("rollout_cores", "scorer_cores", "learner_cores"):
             check_cores(f"{prefix}.{name}", getattr(self, name))
+        self._check_nccl_gpus(prefix)
+
+    def _check_nccl_gpus(self, prefix: str) -> None:
+        """One NCCL rank per GPU: a learner with GPUs runs DeepSpeed over NCCL on exactly one;
+        with ``weight_sync_backend=nccl`` every member (learner, rollout, scorer) holds whole
+        GPUs, since NCCL ranks cannot share a device."""
+        if self.learner_gpus not in (0, 1):
+            raise ConfigError(f"{prefix}.learner_gpus", self.learner_gpus,
+                              "0 (CPU) or 1: each learner is one NCCL rank on one whole GPU")
+        if CommBackend(self.weight_sync_backend) != CommBackend.nccl:
+            return
+        for pool in ("learner", "rollout", "scorer"):
+            gpus = getattr(self, f"{pool}_gpus")
+            if gpus < 1 or gpus != int(gpus):
+                raise ConfigError(f"{prefix}.{pool}_gpus", gpus,
+                                  f"whole GPUs (1, 2, ...) with {prefix}.weight_sync_backend=nccl: "
+                                  f"every {pool} actor is an NCCL rank, which needs a GPU of "
+                                  f"its own (or weight_sync_backend=gloo)")
 
 
 def check_cores(key: str, cores: list[int]) -> None:

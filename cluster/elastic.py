@@ -13,9 +13,9 @@ probed, re-joined and sent the weights without waiting for its call to return.
 """
 from __future__ import annotations
 
-from cluster.pools import (Pools, broadcast_weights, connect_weight_sync, spawn_rollout, spawn_scorer,
-                           weights_call)
-from cluster.weight_sync import free_port
+from cluster import placement
+from cluster.pools import (Pools, slot_of, broadcast_weights, connect_weight_sync, spawn_rollout,
+                           spawn_scorer, weights_call)
 
 ROLES = ("rollout", "scorer")
 OK, DEAD, UNJOINED, UNRESPONSIVE = "ok", "dead", "unjoined", "unresponsive"
@@ -56,11 +56,10 @@ def reform_weight_sync(pools: Pools, cfg) -> int:
     rank 0, then the rollout and scorer actors in pool order). Returns the port.
 
     A fresh port rather than the old one: the old group's store may still be closing, and a member
-    that missed the re-formation must fail to connect, not join the new group by accident.
+    that missed the re-formation must fail to connect, not join the new group by accident. Learner
+    rank 0 binds it on its own node while the old group's socket is still open, so it differs.
     """
-    port = free_port(cfg.cluster.host)
-    connect_weight_sync(pools, cfg, port=port)
-    return port
+    return connect_weight_sync(pools, cfg, fresh=True)[1]
 
 
 def sync_all(pools: Pools, cfg) -> tuple[int, dict]:
@@ -122,14 +121,19 @@ def resize_pool(pools: Pools, cfg, role: str, n: int,
         raise ValueError(f"resize_pool: a {role} pool needs at least one actor, got {n}")
     actors = getattr(pools, role)
     report, spawned = [], []
+    slots = pools.slots.get(role)  # None: a pool built without placement groups
     while len(actors) > n:
         report.append(f"{_name(pools, role, len(actors) - 1)}: removed")
         ray.kill(actors.pop(), no_restart=True)
+        if slots and len(slots) > len(actors) and slots[-1].owned:
+            placement.release(slots.pop())  # the pool's own bundles stay reserved for regrowth
         if role == "rollout":
             pools.rollout_ids.pop()
     while len(actors) < n:
         if role == "rollout":
             pools.rollout_ids.append(max(pools.rollout_ids, default=-1) + 1)
+        if slots is not None and len(slots) <= len(actors):
+            slots.append(placement.reserve_one(cfg, role, start_timeout_s))
         actors.append(_spawn(pools, cfg, role, len(actors)))
         spawned.append(actors[-1])
         report.append(f"{_name(pools, role, len(actors) - 1)}: added")
@@ -140,7 +144,10 @@ def resize_pool(pools: Pools, cfg, role: str, n: int,
 
 
 def _spawn(pools: Pools, cfg, role: str, index: int):
-    return spawn_rollout(cfg, pools.rollout_ids[index]) if role == "rollout" else spawn_scorer(cfg)
+    """Actor ``index`` of ``role``, in its bundle (a replacement takes its predecessor's)."""
+    slot = slot_of(pools, role, index)
+    return spawn_rollout(cfg, pools.rollout_ids[index], slot) if role == "rollout" \
+        else spawn_scorer(cfg, slot)
 
 
 def _name(pools: Pools, role: str, index: int) -> str:

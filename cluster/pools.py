@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cluster import placement
 from cluster.ray_setup import actor_options, pinned
 from cluster.resources import wait_placed
-from cluster.weight_sync import free_port
 
 
 @dataclass
@@ -26,6 +26,9 @@ class Pools:
     rollouts_ahead: int = 1
     # buffer.stale_policy=requeue: each rollout launch first takes the buffer's requeued prompts
     requeue: bool = False
+    # per pool ("learner", "rollout", "scorer"), each actor's placement-group bundle
+    # (cluster/placement.py); empty: actors placed anywhere (pools built by hand in tests)
+    slots: dict = field(default_factory=dict)
 
     @property
     def receivers(self) -> list:
@@ -34,7 +37,12 @@ class Pools:
 
 
 def build_pools(cfg, run_dir: str) -> Pools:
-    """Create the buffer, learner, rollout and scorer actors (learners first: they hold the GPUs)."""
+    """Reserve every pool's placement group, then create the learner, buffer, rollout and scorer
+    actors (learners first: they hold the GPUs).
+
+    DeepSpeed's group forms on the address learner rank 0 picks on its own node (``listen``), while
+    the rollout and scorer actors load their models.
+    """
     import ray
 
     from buffer import ReplayBuffer
@@ -43,24 +51,36 @@ def build_pools(cfg, run_dir: str) -> Pools:
     c = cfg.cluster
     requeue = getattr(cfg.buffer.stale_policy, "value", cfg.buffer.stale_policy) == "requeue"
     pools = Pools(rollouts_ahead=rollouts_ahead(cfg), requeue=requeue)
-    pools.buffer = ray.remote(**actor_options(c.buffer_cpus, 0.0, c.buffer_resources))(ReplayBuffer).remote(
-        cfg.buffer, _buffer_root(cfg, run_dir))
+    pools.slots = placement.reserve(cfg, c.placement_timeout_s)  # a pool that never fits: named
     n_learn = cfg.learner.num_learners
-    ds_port = free_port(c.host)
-    learner_cls = ray.remote(**actor_options(c.learner_cpus, c.learner_gpus, c.learner_resources))(
-        pinned(Learner, c.learner_cores))
+    opts = actor_options(c.learner_cpus, c.learner_gpus, c.learner_resources)
+    learner_cls = ray.remote(**opts)(pinned(Learner, c.learner_cores))
     pools.learners = [
-        learner_cls.remote(cfg.learner, cfg.correction, cfg.rollout.model_path, rank=r,
-                           world_size=n_learn, master_addr=c.host, master_port=ds_port)
+        learner_cls.options(**placement.options(pools.slots["learner"][r])).remote(
+            cfg.learner, cfg.correction, cfg.rollout.model_path, rank=r, world_size=n_learn)
         for r in range(n_learn)]
+    wait_placed([(f"learner {i}", a) for i, a in enumerate(pools.learners)],
+                c.placement_timeout_s)
+    addr, port = ray.get(pools.learners[0].listen.remote())
+    started = [lrn.start.remote(addr, port) for lrn in pools.learners]
+    pools.buffer = ray.remote(**actor_options(c.buffer_cpus, 0.0, c.buffer_resources))(
+        ReplayBuffer).remote(
+        cfg.buffer, _buffer_root(cfg, run_dir))
     pools.rollout_ids = list(range(cfg.rollout.num_actors))
-    pools.rollout = [spawn_rollout(cfg, i) for i in pools.rollout_ids]
-    pools.scorer = [spawn_scorer(cfg) for _ in range(cfg.scorer.num_actors)]
+    pools.rollout = [spawn_rollout(cfg, i, slot_of(pools, "rollout", i)) for i in pools.rollout_ids]
+    pools.scorer = [spawn_scorer(cfg, slot_of(pools, "scorer", i))
+                    for i in range(cfg.scorer.num_actors)]
     named = [("buffer", pools.buffer)] + [(f"{kind} {i}", a) for kind, group in (
-        ("learner", pools.learners), ("rollout", pools.rollout), ("scorer", pools.scorer))
-        for i, a in enumerate(group)]
+        ("rollout", pools.rollout), ("scorer", pools.scorer)) for i, a in enumerate(group)]
     wait_placed(named, c.placement_timeout_s)  # an unplaceable actor: an error, not a hang
+    ray.get(started)
     return pools
+
+
+def slot_of(pools: Pools, role: str, index: int):
+    """Actor ``index``'s bundle in its pool's placement group (None: no group, place anywhere)."""
+    slots = pools.slots.get(role, [])
+    return slots[index] if index < len(slots) else None
 
 
 def rollouts_ahead(cfg) -> int:
@@ -80,23 +100,25 @@ def weights_call(actor, method: str):
     return getattr(actor, method).options(concurrency_group="weights")
 
 
-def spawn_rollout(cfg, actor_id: int):
+def spawn_rollout(cfg, actor_id: int, slot=None):
     """One rollout actor with the pool's resources (build_pools, and replacements or growth in
     ``cluster.elastic``: both must place and configure it the same way). Its "weights"
     concurrency group (``WEIGHTS_GROUP``) runs ``init_weight_sync``/``stage_weights``; rollouts
-    and everything else stay one call at a time in the default group."""
+    and everything else stay one call at a time in the default group. ``slot``: its
+    placement-group bundle (``cluster.placement``; None: anywhere)."""
     import ray
 
     from actors.rollout import RolloutActor
 
     c = cfg.cluster
     opts = actor_options(c.rollout_cpus, c.rollout_gpus, c.rollout_resources)
+    opts.update(placement.options(slot))
     cls = ray.remote(max_restarts=c.actor_max_restarts, concurrency_groups=WEIGHTS_GROUP, **opts)(
         pinned(RolloutActor, c.rollout_cores))
     return cls.remote(cfg.rollout, cfg.task, cfg.rollout.model_path, actor_id=actor_id)
 
 
-def spawn_scorer(cfg):
+def spawn_scorer(cfg, slot=None):
     """One dense scorer actor with the pool's resources (see ``spawn_rollout``).
 
     With ``correction.loss.kl_coef > 0`` it also holds the reference policy: a frozen copy of
@@ -109,6 +131,7 @@ def spawn_scorer(cfg):
 
     c = cfg.cluster
     opts = actor_options(c.scorer_cpus, c.scorer_gpus, c.scorer_resources)
+    opts.update(placement.options(slot))
     cls = ray.remote(max_restarts=c.actor_max_restarts, concurrency_groups=WEIGHTS_GROUP, **opts)(
         pinned(ScorerActor, c.scorer_cores))
     ref = cfg.rollout.model_path if needs_reference(cfg) else None
@@ -126,31 +149,35 @@ def _buffer_root(cfg, run_dir: str) -> str | None:
     return root if root else f"{run_dir}/buffer"
 
 
-def connect_weight_sync(pools: Pools, cfg, port: int | None = None) -> None:
+def connect_weight_sync(pools: Pools, cfg, fresh: bool = False) -> tuple[str, int]:
     """Form the broadcast group: learner rank 0 is rank 0, then each rollout and scorer actor.
+    Returns its (host, port): learner rank 0's node IP and a port it bound there
+    (``cluster.weight_sync_port``, or a free one when 0 or ``fresh``), which every actor dials.
 
     Separate from DeepSpeed's own process group (one default group per process): a standalone
     TCPStore + gloo (or NCCL) group that only carries weights. Every member leaves the group it was
     in first, so calling this again re-forms it (``cluster.elastic.reform_weight_sync``, on a fresh
-    ``port``). ``cluster.weight_sync_timeout_s`` bounds every wait: a member that died or never
+    port). ``cluster.weight_sync_timeout_s`` bounds every wait: a member that died or never
     joins makes the others fail after that long instead of hanging.
     """
     import ray
 
     c = cfg.cluster
-    port = port or c.weight_sync_port or free_port(c.host)
+    host, port = ray.get(pools.learners[0].open_weight_sync.remote(
+        0 if fresh else c.weight_sync_port))
     world = 1 + len(pools.receivers)
     timeout = float(c.weight_sync_timeout_s)
     backend = getattr(c.weight_sync_backend, "value", c.weight_sync_backend)
-    calls = [pools.learners[0].init_weight_sync.remote(c.host, port, world, backend,
+    calls = [pools.learners[0].init_weight_sync.remote(host, port, world, backend,
                                                        c.weight_sync_bucket_mb, timeout_s=timeout)]
-    calls += [weights_call(a, "init_weight_sync").remote(c.host, port, rank, world,
-                                                          timeout_s=timeout)
+    calls += [weights_call(a, "init_weight_sync").remote(host, port, rank, world,
+                                                        timeout_s=timeout)
               for rank, a in enumerate(pools.receivers, start=1)]
     # every member's answer, not the first error: a failed formation leaves no member still
     # waiting in it (each waits at most the timeout), so a re-formation can follow at once
     ray.wait(calls, num_returns=len(calls))
     ray.get(calls)
+    return host, port
 
 
 def on_learners(pools: Pools, method: str, *args):

@@ -93,10 +93,10 @@ def wait_placed(named_actors: list[tuple[str, object]], timeout_s: float) -> Non
         names = ", ".join(refs[r] for r in waiting)
         raise ConfigError("cluster.placement_timeout_s", timeout_s,
                           f"enough for every actor to start; still not placed: {names} (free now: "
-                          f"{_brief(ray.available_resources())})")
+                          f"{brief(ray.available_resources())})")
 
 
-def _brief(res: dict) -> dict:
+def brief(res: dict) -> dict:
     """CPU, GPU and custom resources (not Ray's per-node and memory entries)."""
     skip = ("node:", "memory", "object_store_memory", "accelerator_type:")
     return {k: round(v, 3) for k, v in sorted(res.items()) if not k.startswith(skip)}

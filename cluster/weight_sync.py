@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Iterable, Mapping
@@ -42,6 +41,7 @@ import torch.distributed as dist
 
 from cluster.buckets import (DIRECT_BYTES, Bucket, SpecEntry, direct_view, itemsize,  # noqa: F401
                              numel_of, plan_buckets)
+from cluster.rendezvous import free_port, listen_fd, use_interface_toward  # noqa: F401 (re-exported)
 from cluster.shm_ring import SHM_DIR, ShmRing, slot_bytes_for
 from cluster.sync_guard import Gate, WeightSyncError, make_process_group
 
@@ -62,13 +62,6 @@ def weight_spec(model: torch.nn.Module) -> list[SpecEntry]:
         shape = tuple(getattr(p, "ds_shape", p.shape))
         spec.append((name, shape, p.dtype))
     return spec
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (for tests and single-machine runs)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _spec_json(spec: Iterable[SpecEntry]) -> str:
@@ -93,15 +86,6 @@ def _spec_diff(mine: list, theirs: list) -> str | None:
     return None
 
 
-def listen_fd(host: str, port: int) -> int:
-    """The fd of a TCP socket listening on (host, port), for ``TCPStore(master_listen_fd=...)``,
-    which takes ownership of it (and closes it with the store)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    return sock.detach()
 
 
 class _Group:
@@ -113,7 +97,7 @@ class _Group:
     """
 
     def __init__(self, host, port, rank, world_size, spec, backend, bucket_bytes, timeout_s, key,
-                 shm=False):
+                 shm=False, listen_sock=None):
         if backend not in (None, "gloo", "nccl"):
             raise ValueError(f"weight sync backend must be 'gloo' or 'nccl', got {backend!r}")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -127,8 +111,15 @@ class _Group:
         self._shm_allowed = shm
         self.ring: ShmRing | None = None  # set when every rank is on one machine (gloo only)
         # TCPStore's own server listens on every interface ("::"): rank 0 hands it a socket bound
-        # to ``host`` instead, so a 127.0.0.1 group is reachable from this machine only.
-        server = {"master_listen_fd": listen_fd(host, port)} if rank == 0 else {}
+        # to ``host`` instead, so a 127.0.0.1 group is reachable from this machine only. The socket
+        # may already be open (``listen_sock``: rank 0 picked and reported its own port,
+        # cluster/rendezvous.py); the store takes it over either way.
+        if rank == 0:
+            server = {"master_listen_fd": listen_fd(host, port) if listen_sock is None
+                      else listen_sock}
+        else:
+            server = {}
+        use_interface_toward(host)  # gloo must advertise an address the other hosts can reach
         self.store = dist.TCPStore(host, port, world_size, is_master=(rank == 0),
                                    timeout=self.timeout, wait_for_workers=False, **server)
         self._agree_on_spec()
@@ -289,11 +280,14 @@ class WeightSender(_Group):
 
     def __init__(self, host: str, port: int, world_size: int, spec: list[SpecEntry],
                  backend: str = "gloo", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 timeout_s: float = 300.0, key: str = "weights", same_host_shm: bool = True):
+                 timeout_s: float = 300.0, key: str = "weights", same_host_shm: bool = True,
+                 listen_sock: int | None = None):
         """``same_host_shm``: with gloo, stream through shared memory (``cluster.shm_ring``) when
-        every receiver turns out to be on this machine; TCP otherwise, or when False."""
+        every receiver turns out to be on this machine; TCP otherwise, or when False.
+        ``listen_sock``: a socket already listening on (host, port) for the store to take over
+        (``cluster.rendezvous.open_endpoint``); None: bind one here."""
         super().__init__(host, port, 0, world_size, spec, backend, bucket_bytes, timeout_s, key,
-                         shm=same_host_shm)
+                         shm=same_host_shm, listen_sock=listen_sock)
 
     @torch.no_grad()
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:

@@ -99,23 +99,45 @@ def _select(cfg, dotted: str):
     return obj
 
 
+# What a complete checkpoint holds: the learners' parts (DeepSpeed's ``latest`` names the tag
+# every rank saved under; the HF model) and the driver's (buffer segments, state, config).
+PARTS = ("deepspeed/latest", "hf/config.json", "buffer", STATE_FILE, "config.yaml")
+
+
+def missing_parts(ckpt: Path) -> list[str]:
+    """The parts of ``PARTS`` that ``ckpt`` lacks (with the DeepSpeed tag folder ``latest``
+    names); empty: complete."""
+    missing = [part for part in PARTS if not (ckpt / part).exists()]
+    latest = ckpt / "deepspeed" / "latest"
+    if latest.is_file() and not (ckpt / "deepspeed" / latest.read_text().strip()).is_dir():
+        missing.append(f"deepspeed/{latest.read_text().strip()}")
+    return missing
+
+
 def find_checkpoint(path: str) -> Path:
-    """A checkpoint folder as given, or the newest complete one under ``path/checkpoints``."""
+    """A checkpoint folder as given, or the newest complete one under ``path/checkpoints``.
+    A folder with only some of the parts (``PARTS``) is refused, naming what it lacks."""
     p = Path(path)
     if (p / STATE_FILE).is_file():
+        missing = missing_parts(p)
+        if missing:
+            raise ConfigError("resume", path, f"a complete checkpoint; this one lacks {missing} "
+                              "(were the learners' parts written on another node? run.out_dir "
+                              "must be on storage every node shares)")
         return p
     found = completed(p / "checkpoints") if p.is_dir() else []
     if not found:
-        raise ConfigError("resume", path, f"a checkpoint folder (with {STATE_FILE}) or a run "
-                                          "folder holding checkpoints/step-*")
+        raise ConfigError("resume", path, f"a checkpoint folder (with {', '.join(PARTS)}) or a "
+                                          "run folder holding complete checkpoints/step-*")
     return found[-1]
 
 
 def completed(root: Path) -> list[Path]:
     """Complete checkpoints under ``root``, oldest first: ``step-NNNNNN`` folders holding
-    trainer_state.json (a ``.partial`` one is still being written, or its run was killed)."""
+    every part of ``PARTS`` (a ``.partial`` one is still being written, or its run was killed; a
+    half one had its learners' parts written on another node)."""
     return sorted(c for c in root.glob("step-*") if c.is_dir() and CKPT_NAME.fullmatch(c.name)
-                  and (c / STATE_FILE).is_file())
+                  and not missing_parts(c))
 
 
 def latest_checkpoint(out_dir: str, name: str) -> Path | None:
@@ -166,6 +188,11 @@ def save(run_dir: Path, cfg, pools, *, step: int, version: int, sampler, accurac
              "accuracy_before": accuracy_before, "next_batch_in_buffer": in_flight > 0,
              "in_flight": int(in_flight)}
     (part / STATE_FILE).write_text(json.dumps(state, indent=2))
+    missing = missing_parts(part)
+    if missing:  # the learners wrote to a folder of that name on their own node
+        raise RuntimeError(f"checkpoint {part} lacks {missing} after every part was written: the "
+                           f"learners and the driver do not share run.out_dir "
+                           f"({cfg.run.out_dir}); put it on storage every node mounts")
     os.replace(part, final)  # a directory rename: the checkpoint appears whole or not at all
     _prune(root, cfg.run.checkpoint_keep)
     return final

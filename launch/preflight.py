@@ -4,6 +4,7 @@
 fit the model's vocabulary; ``rollout.chat_template`` resolves; a prompt of
 ``rollout.max_prompt_tokens`` plus ``rollout.max_new_tokens`` fits ``max_position_embeddings``, and
 a compressing KV budget is below it. Each failure is a ConfigError naming the key and the file.
+``check_shared_paths``: under ``ray job submit`` the paths every node uses are absolute.
 ``task_prompts``: the task's prompts encoded once with the rollout's rule (common/tokens.py), so the
 over-long ones are dropped, truncated or refused (``rollout.overlong_prompt``) and counted.
 """
@@ -36,6 +37,33 @@ def check_model(cfg):
     max_pos = max_positions(path)
     _check_kv_budget(cfg.rollout.kv, max_pos)
     return tokenizer, PromptEncoder.from_config(tokenizer, cfg.rollout, max_pos)
+
+
+# Set by Ray's job supervisor in the environment of a `ray job submit` entrypoint.
+JOB_SUBMIT_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+SHARED_PATHS = ("run.out_dir", "rollout.model_path", "buffer.root")
+
+
+def check_shared_paths(cfg, environ=None) -> None:
+    """Under ``ray job submit`` every path the actors read or write must be absolute.
+
+    The job's driver and every worker node run in their own unpacked copy of the working dir, so a
+    relative path names a different folder on each node: a checkpoint's learner parts would land on
+    the learners' node and the rest on the head's, each half useless. An absolute path on storage
+    every node mounts is one place."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    if JOB_SUBMIT_ENV not in environ:
+        return
+    for key in SHARED_PATHS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is not None and not Path(str(value)).is_absolute():
+            raise ConfigError(key, value, "an absolute path on storage every node shares: under "
+                              "`ray job submit` each node resolves a relative path against its "
+                              "own unpacked copy of the working dir, so the driver and the actors "
+                              "on other nodes would read and write different folders")
 
 
 def _model_config(path: Path):

@@ -25,10 +25,11 @@ def main(argv: list[str]) -> dict:
     from common.tokens import pad_token_id
     from launch import checkpoint
     from launch.config import RunMode, to_yaml
-    from launch.preflight import check_model, task_prompts
+    from launch.preflight import check_model, check_shared_paths, task_prompts
     from tasks import make_task
 
     cfg, ckpt = checkpoint.load_run_config(argv)
+    check_shared_paths(cfg)  # under `ray job submit`: absolute paths (each node has its own copy)
     tokenizer, encoder = check_model(cfg)
     pad_id = pad_token_id(tokenizer)  # the rollout and scorer pad by the same rule
 

@@ -84,20 +84,24 @@ def _set_dist_env(rank: int, world_size: int, local_rank: int, addr: str, port: 
                        "MASTER_ADDR": addr, "MASTER_PORT": str(port)})
 
 
-def _init_default_group(rank: int, world_size: int, addr: str, port: int):
+def _init_default_group(rank: int, world_size: int, addr: str, port: int,
+                        listen_sock: int | None = None):
     """Create DeepSpeed's default process group ourselves, its store listening on ``addr`` only.
 
     ``init_process_group(init_method="env://")`` (what DeepSpeed would do) starts a TCPStore server
-    on every interface ("::"); handing it a socket bound to ``addr`` keeps a 127.0.0.1 learner group
-    off the network. DeepSpeed then finds the group initialised and uses it.
+    on every interface ("::"); handing it a socket bound to ``addr`` (``listen_sock``, already
+    open, or bound here) keeps a 127.0.0.1 learner group off the network. DeepSpeed then finds the
+    group initialised and uses it. Gloo binds the interface ``addr`` is reached through.
     """
     import torch.distributed as dist
 
-    from cluster.weight_sync import listen_fd
+    from cluster.rendezvous import listen_fd, use_interface_toward
 
     if dist.is_initialized():
         return
-    server = {"master_listen_fd": listen_fd(addr, port)} if rank == 0 else {}
+    use_interface_toward(addr)
+    sock = (listen_fd(addr, port) if listen_sock is None else listen_sock) if rank == 0 else None
+    server = {"master_listen_fd": sock} if rank == 0 else {}
     store = dist.TCPStore(addr, port, world_size, is_master=(rank == 0), **server)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
@@ -175,8 +179,11 @@ class Learner:
     """One data-parallel DeepSpeed learner rank. See the module docstring for a step's anatomy."""
 
     def __init__(self, cfg: LearnerConfig, correction_cfg, model_path: str, rank: int = 0,
-                 world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int = 29500,
-                 local_rank: int | None = None):
+                 world_size: int = 1, master_addr: str = "127.0.0.1",
+                 master_port: int | None = None, local_rank: int | None = None):
+        """With ``master_port`` the DeepSpeed group forms here, at (master_addr, master_port).
+        Without it (on Ray, ``cluster.pools.build_pools``) it forms at ``start``, on the address
+        and port rank 0's ``listen`` picked on its own node (``cluster/rendezvous.py``)."""
         cfg.validate("learner")
         if world_size != cfg.num_learners:
             raise ValueError(f"world_size={world_size} but learner.num_learners={cfg.num_learners}")
@@ -186,8 +193,31 @@ class Learner:
         torch.set_num_threads(cfg.num_threads)
         if local_rank is None:  # under Ray each GPU actor sees one device; elsewhere rank-per-GPU
             local_rank = rank % torch.cuda.device_count() if torch.cuda.device_count() > 1 else 0
-        _set_dist_env(rank, world_size, local_rank, master_addr, master_port)
-        _init_default_group(rank, world_size, master_addr, master_port)
+        self.local_rank = local_rank
+        self._sender = self._endpoint = self._ws_endpoint = None
+        if master_port is not None:
+            self.start(master_addr, master_port)
+
+    def listen(self) -> tuple[str, int]:
+        """Rank 0: open the DeepSpeed group's store socket on this node's IP and a free port,
+        held until ``start`` hands it to the store; returns (host, port) for every rank's
+        ``start``."""
+        from cluster.rendezvous import close_endpoint, open_endpoint
+
+        if self.rank != 0:
+            raise RuntimeError("only learner rank 0 serves the DeepSpeed group's store")
+        close_endpoint(self._endpoint)
+        self._endpoint = open_endpoint()
+        return self._endpoint.address
+
+    def start(self, master_addr: str, master_port: int) -> float:
+        """Join DeepSpeed's group at (master_addr, master_port) and build the engine (every rank,
+        at once: a collective). Returns the seconds it took."""
+        cfg, rank, world_size = self.cfg, self.rank, self.world_size
+        _set_dist_env(rank, world_size, self.local_rank, master_addr, master_port)
+        fd = self._endpoint.fd if self._endpoint is not None else None
+        self._endpoint = None  # the store owns the socket from here on
+        _init_default_group(rank, world_size, master_addr, master_port, fd)
 
         import deepspeed
 
@@ -205,7 +235,7 @@ class Learner:
         # loaded in the training dtype (never a full fp32 copy of a bf16 run); in eval mode unless
         # checkpointing, so at the start of a step the new log-probs equal the scorer's dense old
         # log-probs (PPO ratio 1); gradients flow in eval mode too
-        model = load_model(model_path, dtype=torch_dtype(cfg.dtype))
+        model = load_model(self.model_path, dtype=torch_dtype(cfg.dtype))
         del hf_zero3  # a global switch of transformers: later loads in this process stay plain
         if cfg.gradient_checkpointing:
             _check_no_dropout(model)
@@ -218,8 +248,8 @@ class Learner:
             model=PolicyForward(model), optimizer=opt, lr_scheduler=sched, config=ds_config)
         _reset_adam_step_counts(opt)
         self.init_seconds = time.time() - t0
-        self._sender = None
         self._params = dict(self.engine.module.named_parameters())
+        return self.init_seconds
 
     # ---- training -------------------------------------------------------------------------
 
@@ -466,21 +496,36 @@ class Learner:
 
     # ---- weight broadcast -----------------------------------------------------------------
 
+    def open_weight_sync(self, port: int = 0) -> tuple[str, int]:
+        """Learner rank 0: listen for the weight-sync group on this node's IP and ``port`` (0: a
+        free one); returns (host, port) for every member's ``init_weight_sync``."""
+        from cluster.rendezvous import close_endpoint, open_endpoint
+
+        if self.rank != 0:
+            raise RuntimeError("only learner rank 0 serves the weight-sync group")
+        close_endpoint(self._ws_endpoint)
+        self._ws_endpoint = open_endpoint(port)
+        return self._ws_endpoint.address
+
     def init_weight_sync(self, host: str, port: int, world_size: int, backend: str = "gloo",
                          bucket_mb: int = 64, timeout_s: float = 300.0) -> None:
-        """Join the weight-sync group as its rank 0 (learner rank 0 only). A collective with
+        """Join the weight-sync group as its rank 0 (learner rank 0 only), on the socket
+        ``open_weight_sync`` opened for (host, port), else one bound here. A collective with
         every receiver's ``init_weight_sync``; ``timeout_s`` bounds its waits and every send's.
         Under ZeRO-3 the weights stream out one gathered parameter at a time, over TCP/NCCL
         (the same-host shared-memory ring wants every bucket at hand at once)."""
+        from cluster.rendezvous import take_endpoint
         from cluster.weight_sync import WeightSender
 
         if self.rank != 0:
             raise RuntimeError("only learner rank 0 sends weights")
         if self._sender is not None:  # re-forming (actor restart / pool resize): leave the old group
             self._sender.close()
+        sock, self._sender, self._ws_endpoint = take_endpoint(self._ws_endpoint, host, port), \
+            None, None
         self._sender = WeightSender(host, port, world_size, self.weight_spec(), backend=backend,
                                     bucket_bytes=int(bucket_mb) << 20, timeout_s=float(timeout_s),
-                                    same_host_shm=not self._zero3)
+                                    same_host_shm=not self._zero3, listen_sock=sock)
 
     def broadcast_weights(self) -> int:
         """Rank 0 sends the current weights tagged with ``version`` (a collective with every

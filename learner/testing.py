@@ -57,7 +57,7 @@ class WeightSource:
         torch.set_num_threads(1)
         self.model = load_model(model_path)
         self.version = 0
-        self._sender = None
+        self._sender = self._ws_endpoint = None
 
     def named_weights(self):
         return [(n, p.detach()) for n, p in self.model.named_parameters()]
@@ -67,15 +67,25 @@ class WeightSource:
 
         return checksum(self.named_weights())
 
+    def open_weight_sync(self, port: int = 0) -> tuple[str, int]:
+        from cluster.rendezvous import close_endpoint, open_endpoint
+
+        close_endpoint(self._ws_endpoint)
+        self._ws_endpoint = open_endpoint(port)
+        return self._ws_endpoint.address
+
     def init_weight_sync(self, host: str, port: int, world_size: int, backend: str = "gloo",
                          bucket_mb: int = 64, timeout_s: float = 300.0) -> None:
+        from cluster.rendezvous import take_endpoint
         from cluster.weight_sync import WeightSender, weight_spec
 
         if self._sender is not None:
             self._sender.close()
+        self._sender = None
+        sock, self._ws_endpoint = take_endpoint(self._ws_endpoint, host, port), None
         self._sender = WeightSender(host, port, world_size, weight_spec(self.model),
                                     backend=backend, bucket_bytes=int(bucket_mb) << 20,
-                                    timeout_s=float(timeout_s))
+                                    timeout_s=float(timeout_s), listen_sock=sock)
 
     def broadcast_weights(self) -> int:
         self._sender.send(self.named_weights(), self.version)

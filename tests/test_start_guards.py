@@ -14,11 +14,16 @@ from launch.config import load_config, to_yaml
 
 @pytest.fixture()
 def ckpt(tmp_path):
-    """A checkpoint folder as far as load_run_config reads it: its config and state file."""
+    """A checkpoint folder as far as load_run_config reads it: its config and state file, and
+    every other part present (empty), since a checkpoint without them is refused."""
     d = tmp_path / "run" / "checkpoints" / "step-000002"
-    d.mkdir(parents=True)
+    for folder in ("buffer", "hf", "deepspeed/v2"):
+        (d / folder).mkdir(parents=True)
+    (d / "hf" / "config.json").write_text("{}")
+    (d / "deepspeed" / "latest").write_text("v2")
     (d / "config.yaml").write_text(to_yaml(load_config(["task.name=reverse", "task.seed=3"])))
     (d / checkpoint.STATE_FILE).write_text("{}")
+    assert checkpoint.missing_parts(d) == []
     return d
 
 
