@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 LOOPBACK = "127.0.0.1"
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+GLOO_AUTO = "SPARSE_RL_GLOO_IFNAME_AUTO"  # the GLOO_IFNAME value use_interface_toward chose
 
 
 @dataclass(frozen=True)
@@ -109,10 +110,19 @@ def interface_of(ip: str) -> str | None:
 def use_interface_toward(host: str) -> str | None:
     """Bind this process's gloo groups to the interface ``host`` is reached through (sets
     GLOO_SOCKET_IFNAME, read at each group's creation); one the user set is kept. Returns the
-    interface in use (None: gloo's own default)."""
-    if os.environ.get(GLOO_IFNAME):
-        return os.environ[GLOO_IFNAME]
+    interface in use (None: gloo's own default).
+
+    A value this function set (here or in a parent process: child processes inherit the
+    environment, e.g. a test process that formed a loopback group and then starts Ray nodes) is
+    marked in ``GLOO_AUTO`` and recomputed for each host, so it never pins later groups to ``lo``.
+    """
+    current = os.environ.get(GLOO_IFNAME)
+    if current and current != os.environ.get(GLOO_AUTO):
+        return current  # the user's choice
     name = interface_of(local_ip_toward(host))
     if name:
-        os.environ[GLOO_IFNAME] = name
+        os.environ[GLOO_IFNAME] = os.environ[GLOO_AUTO] = name
+    else:
+        os.environ.pop(GLOO_IFNAME, None)
+        os.environ.pop(GLOO_AUTO, None)
     return name

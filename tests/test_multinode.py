@@ -213,6 +213,11 @@ def two_hosts(tmp_path_factory):
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
                                                   str(REPO / ".cache" / "torch_extensions"))}
     env.pop("RAY_ADDRESS", None)
+    # a local Ray started earlier in this pytest process (cluster.ray_setup._loopback_only) sets
+    # this to 0 in os.environ, which makes `ray start --address` refuse to join a cluster
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+    for var in ("GLOO_SOCKET_IFNAME", "SPARSE_RL_GLOO_IFNAME_AUTO"):  # set by loopback groups
+        env.pop(var, None)
     # Ray's unix sockets live under the temp dir and must stay below ~107 characters
     ray_tmp = Path(tempfile.mkdtemp(prefix="srl-", dir="/tmp"))
     hosts = TwoHosts(head, worker, env, tmp, ray_tmp)
@@ -351,3 +356,20 @@ def _submit(h: TwoHosts, *overrides: str) -> subprocess.CompletedProcess:
                  f"--working-dir={REPO}", f"--runtime-env-json={json.dumps(runtime_env)}", "--",
                  sys.executable, "launch/train.py", "cluster.address=auto", *overrides,
                  timeout=400)
+
+
+def test_gloo_interface_chosen_per_host_unless_the_user_set_one(monkeypatch):
+    """A loopback group formed earlier in a process (or its parent) must not pin later groups to
+    ``lo``; an interface the user set is always kept."""
+    from cluster.rendezvous import GLOO_AUTO, GLOO_IFNAME, use_interface_toward
+
+    monkeypatch.delenv(GLOO_IFNAME, raising=False)
+    monkeypatch.delenv(GLOO_AUTO, raising=False)
+    assert use_interface_toward("127.0.0.1") == "lo"
+    assert os.environ[GLOO_IFNAME] == os.environ[GLOO_AUTO] == "lo"
+    monkeypatch.setattr("cluster.rendezvous.interface_of", lambda ip: "veth-test")
+    monkeypatch.setattr("cluster.rendezvous.local_ip_toward", lambda host: "10.77.0.1")
+    assert use_interface_toward("10.77.0.2") == "veth-test"  # recomputed: it was ours
+    monkeypatch.setenv(GLOO_IFNAME, "eth-user")
+    assert use_interface_toward("10.77.0.2") == "eth-user"
+    assert os.environ[GLOO_IFNAME] == "eth-user"
