@@ -6,7 +6,9 @@ the rollout pool can grow on its worker group while the learners stay where they
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import Callable
 
 from cluster.ray_setup import actor_options, pinned
 from cluster.resources import wait_placed
@@ -27,6 +29,17 @@ class Pools:
     rollouts_ahead: int = 1
     # buffer.stale_policy=requeue: each rollout launch first takes the buffer's requeued prompts
     requeue: bool = False
+    # the buffer's segment folder (None: rows in memory only) and how to start a buffer actor on
+    # it again; the run folder, whose checkpoints a lost buffer points to (launch/recovery.py)
+    buffer_root: str | None = None
+    spawn_buffer: Callable | None = None
+    run_dir: str | None = None
+    # the training batch the driver holds (sample_batch until mark_consumed): (num_groups,
+    # version, sample ids), leased again on a re-created buffer
+    buffer_lease: tuple | None = None
+    # counts of faults the run survived, in every step's metrics and in the summary
+    faults: dict = field(default_factory=lambda: dict.fromkeys(
+        ("faults/buffer_restarts", "faults/actor_replacements"), 0))
 
     @property
     def receivers(self) -> list:
@@ -38,14 +51,14 @@ def build_pools(cfg, run_dir: str) -> Pools:
     """Create the buffer, learner, rollout and scorer actors (learners first: they hold the GPUs)."""
     import ray
 
-    from buffer import ReplayBuffer
     from learner.learner import Learner
 
     c = cfg.cluster
     requeue = getattr(cfg.buffer.stale_policy, "value", cfg.buffer.stale_policy) == "requeue"
-    pools = Pools(rollouts_ahead=rollouts_ahead(cfg), requeue=requeue)
-    pools.buffer = ray.remote(**actor_options(c.buffer_cpus))(ReplayBuffer).remote(
-        cfg.buffer, _buffer_root(cfg, run_dir))
+    root = _buffer_root(cfg, run_dir)
+    pools = Pools(rollouts_ahead=rollouts_ahead(cfg), requeue=requeue, buffer_root=root,
+                  spawn_buffer=functools.partial(spawn_buffer, cfg, root), run_dir=run_dir)
+    pools.buffer = pools.spawn_buffer()
     n_learn = cfg.learner.num_learners
     ds_port = free_port(c.host)
     learner_cls = ray.remote(**actor_options(c.learner_cpus, c.learner_gpus, c.learner_resources))(
@@ -60,8 +73,23 @@ def build_pools(cfg, run_dir: str) -> Pools:
     named = [("buffer", pools.buffer)] + [(f"{kind} {i}", a) for kind, group in (
         ("learner", pools.learners), ("rollout", pools.rollout), ("scorer", pools.scorer))
         for i, a in enumerate(group)]
-    wait_placed(named, c.placement_timeout_s)  # an unplaceable actor: an error, not a hang
+    try:
+        wait_placed(named, c.placement_timeout_s)  # an unplaceable actor: an error, not a hang
+    except BaseException:  # (SIGTERM too) none may start later and write into the run folder
+        for _, actor in named:
+            ray.kill(actor, no_restart=True)
+        raise
     return pools
+
+
+def spawn_buffer(cfg, root: str | None):
+    """The replay buffer actor on ``root``: a fresh buffer on an empty folder; on one that holds
+    segments (a buffer actor that died) the constructor replays them (``launch.recovery``)."""
+    import ray
+
+    from buffer import ReplayBuffer
+
+    return ray.remote(**actor_options(cfg.cluster.buffer_cpus))(ReplayBuffer).remote(cfg.buffer, root)
 
 
 def rollouts_ahead(cfg) -> int:

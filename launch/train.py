@@ -48,10 +48,12 @@ def main(argv: list[str]) -> dict:
     stop = checkpoint.StopRequest()
     # A fresh folder per run, so a second run never mixes with (or deletes) an earlier one's files.
     run_dir.mkdir(parents=True, exist_ok=False)
+    stop.discard_until_started(run_dir)  # a run that ends before its first step leaves no folder
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
     from buffer.tensors import to_tensors
     from cluster.pools import broadcast_weights, build_pools, connect_weight_sync, on_learners
+    from launch.recovery import call as buffer  # a lost buffer actor is re-created, the call repeated
     from launch.steps import (MetricsLog, PromptSampler, batch_metrics, buffer_depth, evaluate_sets,
                               fill_rollouts, gather_rollouts, land_rollouts, score_pending,
                               sync_weights)
@@ -93,7 +95,7 @@ def main(argv: list[str]) -> dict:
         rows = gather_rollouts(in_flight.popleft(), pools, cfg, version)  # the oldest batch
         if overlap:  # async: the next rollouts start now, with the current weights, and
             fill_rollouts(in_flight, pools, sampler, version, cfg.run.steps)  # overlap training
-        ray.get(pools.buffer.append.remote(rows))
+        buffer(pools, "append", rows)
         t_roll = time.time() - t0
 
         # 6b. Dense scorer: old-policy log-probs for every row waiting for them.
@@ -102,7 +104,7 @@ def main(argv: list[str]) -> dict:
         # 6c. A batch of whole groups within the staleness bound -> padded tensors; GRPO advantages
         # and the correction (IS weights, rejection) over the whole batch, then whole groups per
         # learner, so the update does not depend on how the batch is split.
-        batch = ray.get(pools.buffer.sample_batch.remote(cfg.run.prompts_per_step, version))
+        batch = buffer(pools, "sample_batch", cfg.run.prompts_per_step, version)
         if batch is None:
             raise RuntimeError(f"step {step}: the buffer had no complete scored groups to train on")
         tensors, corr = prepare_batch(to_tensors(batch, pad_id), cfg.correction, version,
@@ -113,7 +115,7 @@ def main(argv: list[str]) -> dict:
         metrics = reduce_metrics(ray.get([lrn.train_step.remote(sh, cfg.rollout.temperature)
                                           for lrn, sh in zip(pools.learners, shards)])) | corr
         trained = batch.column("sample_id").to_pylist()
-        ray.get(pools.buffer.mark_consumed.remote(trained))
+        buffer(pools, "mark_consumed", trained)
 
         # 6e. New weights to every rollout and scorer actor, between generation batches (in async
         # mode the actors take them once their current rollout finishes; rollouts ahead: staged).
@@ -124,7 +126,7 @@ def main(argv: list[str]) -> dict:
         # 6f. Metrics: reward, mismatch and correction statistics, timings.
         record = {"step": step, "version": version, **batch_metrics(batch, version),
                   "time/rollout_wait_s": t_roll, "time/step_s": time.time() - t0, **sync,
-                  **buffer_depth(pools),
+                  **buffer_depth(pools), **pools.faults,
                   **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
         if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < cfg.run.steps:
             record.update(evaluate_sets(pools.rollout, evals, cfg.run.eval_greedy, log.progress))
@@ -150,7 +152,7 @@ def main(argv: list[str]) -> dict:
     on_learners(pools, "save_hf", str(run_dir / "final"))
     summary = {"steps": cfg.run.steps, "version": version, "time_s": round(time.time() - t_start, 1),
                "accuracy_before": acc_before, "accuracy_after": acc_after, "eval_after": after,
-               "run_dir": str(run_dir), **overlong}
+               "run_dir": str(run_dir), **overlong, **pools.faults}
     log.summary(summary)
     ray.shutdown()
     return summary
@@ -158,12 +160,13 @@ def main(argv: list[str]) -> dict:
 
 if __name__ == "__main__":
     from common.errors import ConfigError, DataError
+    from launch.recovery import BufferLost
 
     if {"-h", "--help"} & set(sys.argv[1:]):  # usage + every key, from the config dataclasses
         from launch.helptext import usage
         sys.exit(print(usage(__doc__)))  # exit 0
     try:
         sys.exit(143 if main(sys.argv[1:]).get("stopped") else 0)
-    except (ConfigError, DataError) as err:  # bad input: one clear line, no traceback
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    except (ConfigError, DataError, BufferLost) as err:  # bad input (exit 2) or a fault the run
+        print(f"error: {err}", file=sys.stderr)  # cannot survive (1, naming the resume= to run):
+        sys.exit(1 if isinstance(err, BufferLost) else 2)  # one clear line, no traceback
