@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -182,9 +183,8 @@ class StopRequest:
     def _discard(self, run_dir: Path) -> None:
         if self.deferred or not run_dir.exists():
             return
-        import ray
-
-        if ray.is_initialized():
+        ray = sys.modules.get("ray")  # (importing it at exit would fail, and nothing to stop)
+        if ray is not None and ray.is_initialized():
             ray.shutdown()
         shutil.rmtree(run_dir)
 
