@@ -77,7 +77,9 @@ def model_dirs(names: list[str], tmp: Path) -> dict[str, Path]:
         out["tiny"] = base
         from transformers import AutoConfig
 
-        tiny_cfg = AutoConfig.from_pretrained(str(base))
+        from common.modeling import HF_LOAD
+
+        tiny_cfg = AutoConfig.from_pretrained(str(base), **HF_LOAD)
     else:
         out["tiny"] = build_model(tmp / "tiny", "tiny", hidden_size=256, num_hidden_layers=4,
                                   intermediate_size=512, vocab_size=512)

@@ -312,6 +312,7 @@ class ReplayBuffer:
             segments_on_disk=len(self._store.files) if self._store else 0,
             disk_bytes=self._store.disk_bytes() if self._store else 0,
             quarantined_segments=len(self._store.quarantined) if self._store else 0,
+            root_existed=bool(self._store and self._store.existed),
         )
         return out
 

@@ -40,6 +40,9 @@ class Segment:
 class SegmentStore:
     def __init__(self, root: str, fsync: bool = True):
         self.root, self.fsync = os.path.abspath(root), fsync
+        # False when the folder is new: a buffer re-created on another node, without shared
+        # storage, finds nothing where its predecessor wrote (launch/recovery.py checks it)
+        self.existed = os.path.isdir(self.root)
         os.makedirs(self.root, exist_ok=True)
         self.files: dict[int, Segment] = {}
         self.quarantined: list[SegmentCorrupt] = []

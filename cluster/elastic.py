@@ -103,6 +103,7 @@ def replace_dead(pools: Pools, cfg, probe_timeout_s: float | None = None,
             spawned.append(actors[i])
             report.append(f"{name}: {state}, replaced")
     if report:
+        pools.faults["faults/actor_replacements"] += len(report)
         _await_started(spawned, start_timeout_s)
         sync_all(pools, cfg)
     return report

@@ -6,7 +6,9 @@ the rollout pool can grow on its worker group while the learners stay where they
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import Callable
 
 from cluster import placement
 from cluster.ray_setup import actor_options, pinned
@@ -29,6 +31,17 @@ class Pools:
     # per pool ("learner", "rollout", "scorer"), each actor's placement-group bundle
     # (cluster/placement.py); empty: actors placed anywhere (pools built by hand in tests)
     slots: dict = field(default_factory=dict)
+    # the buffer's segment folder (None: rows in memory only) and how to start a buffer actor on
+    # it again; the run folder, whose checkpoints a lost buffer points to (launch/recovery.py)
+    buffer_root: str | None = None
+    spawn_buffer: Callable | None = None
+    run_dir: str | None = None
+    # the training batch the driver holds (sample_batch until mark_consumed): (num_groups,
+    # version, sample ids), leased again on a re-created buffer
+    buffer_lease: tuple | None = None
+    # counts of faults the run survived, in every step's metrics and in the summary
+    faults: dict = field(default_factory=lambda: dict.fromkeys(
+        ("faults/buffer_restarts", "faults/actor_replacements"), 0))
 
     @property
     def receivers(self) -> list:
@@ -45,12 +58,13 @@ def build_pools(cfg, run_dir: str) -> Pools:
     """
     import ray
 
-    from buffer import ReplayBuffer
     from learner.learner import Learner
 
     c = cfg.cluster
     requeue = getattr(cfg.buffer.stale_policy, "value", cfg.buffer.stale_policy) == "requeue"
-    pools = Pools(rollouts_ahead=rollouts_ahead(cfg), requeue=requeue)
+    root = _buffer_root(cfg, run_dir)
+    pools = Pools(rollouts_ahead=rollouts_ahead(cfg), requeue=requeue, buffer_root=root,
+                  spawn_buffer=functools.partial(spawn_buffer, cfg, root), run_dir=run_dir)
     pools.slots = placement.reserve(cfg, c.placement_timeout_s)  # a pool that never fits: named
     n_learn = cfg.learner.num_learners
     opts = actor_options(c.learner_cpus, c.learner_gpus, c.learner_resources)
@@ -63,17 +77,20 @@ def build_pools(cfg, run_dir: str) -> Pools:
                 c.placement_timeout_s)
     addr, port = ray.get(pools.learners[0].listen.remote())
     started = [lrn.start.remote(addr, port) for lrn in pools.learners]
-    pools.buffer = ray.remote(**actor_options(c.buffer_cpus, 0.0, c.buffer_resources))(
-        ReplayBuffer).remote(
-        cfg.buffer, _buffer_root(cfg, run_dir))
+    pools.buffer = pools.spawn_buffer()
     pools.rollout_ids = list(range(cfg.rollout.num_actors))
     pools.rollout = [spawn_rollout(cfg, i, slot_of(pools, "rollout", i)) for i in pools.rollout_ids]
     pools.scorer = [spawn_scorer(cfg, slot_of(pools, "scorer", i))
                     for i in range(cfg.scorer.num_actors)]
     named = [("buffer", pools.buffer)] + [(f"{kind} {i}", a) for kind, group in (
         ("rollout", pools.rollout), ("scorer", pools.scorer)) for i, a in enumerate(group)]
-    wait_placed(named, c.placement_timeout_s)  # an unplaceable actor: an error, not a hang
-    ray.get(started)
+    try:
+        wait_placed(named, c.placement_timeout_s)  # an unplaceable actor: an error, not a hang
+        ray.get(started)
+    except BaseException:  # (SIGTERM too) none may start later and write into the run folder
+        for _, actor in named + [(f"learner {i}", a) for i, a in enumerate(pools.learners)]:
+            ray.kill(actor, no_restart=True)
+        raise
     return pools
 
 
@@ -81,6 +98,18 @@ def slot_of(pools: Pools, role: str, index: int):
     """Actor ``index``'s bundle in its pool's placement group (None: no group, place anywhere)."""
     slots = pools.slots.get(role, [])
     return slots[index] if index < len(slots) else None
+
+
+def spawn_buffer(cfg, root: str | None):
+    """The replay buffer actor on ``root``: a fresh buffer on an empty folder; on one that holds
+    segments (a buffer actor that died) the constructor replays them (``launch.recovery``)."""
+    import ray
+
+    from buffer import ReplayBuffer
+
+    c = cfg.cluster
+    return ray.remote(**actor_options(c.buffer_cpus, 0.0, c.buffer_resources))(ReplayBuffer).remote(
+        cfg.buffer, root)
 
 
 def rollouts_ahead(cfg) -> int:

@@ -7,8 +7,14 @@ it with the cluster's *total* resources (``ray.cluster_resources()``, not what i
 
 - a local Ray (``cluster.address`` unset) never grows: a shortfall is a ConfigError naming the key,
   the resource, what the pools need and what the cluster has;
-- a joined cluster may autoscale (KubeRay): a shortfall is printed and the run goes on, bounded by
-  ``cluster.placement_timeout_s`` (``wait_placed``), after which the unplaced actors are named.
+- so does a joined cluster on which no autoscaler advertises itself (``autoscaling_limits``): its
+  total counts every node, busy or not, so what exceeds it can never be placed;
+- a joined cluster whose autoscaler publishes its limits (autoscaler v2's cluster config: each
+  node group's resources x its max count) is checked against those: beyond them, a ConfigError;
+  within them but beyond the nodes up now, a printed warning while it grows;
+- a joined cluster whose autoscaler publishes no limits (v1: only its status) gets the warning;
+in every case bounded by ``cluster.placement_timeout_s`` (``wait_placed``), after which the
+unplaced actors are named.
 """
 from __future__ import annotations
 
@@ -61,18 +67,58 @@ def _key(cfg, res: str, parts) -> str:
 
 
 def check_plan(cfg, ray) -> None:
-    """ConfigError when a local Ray can never place the pools; a printed warning on a joined
-    cluster (it may autoscale). Call after ``start_ray``, before ``build_pools``."""
+    """ConfigError when the cluster can never place the pools; a printed warning when it could once
+    its autoscaler adds nodes. Call after ``start_ray``, before ``build_pools``."""
     short = shortfalls(cfg, ray.cluster_resources())
     if not short:
         return
+    limits = autoscaling_limits() if cfg.cluster.address else None
+    if limits:  # what the autoscaler can reach, not what is up now
+        never = shortfalls(cfg, limits)
+        if never:
+            key, res, need, have, parts = never[0]
+            raise ConfigError(key, _value(cfg, key, res), f"a plan this cluster can place: the "
+                              f"pools need {res} {need:g} in all ({parts}); its autoscaler "
+                              f"reaches {have:g} at most")
     key, res, need, have, parts = short[0]
     what = f"{res} {need:g} in all ({parts}); the cluster has {have:g} in total"
-    if not cfg.cluster.address:
+    if limits is None:
         value = cfg.cluster.num_cpus if key == "cluster.num_cpus" else _value(cfg, key, res)
-        raise ConfigError(key, value, f"a plan this local Ray can place: the pools need {what}")
+        where = "this local Ray" if not cfg.cluster.address else \
+            "this cluster (no autoscaler advertises itself)"
+        raise ConfigError(key, value, f"a plan {where} can place: the pools need {what}")
     print(f"[resources] the pools need {what}; waiting up to cluster.placement_timeout_s="
-          f"{cfg.cluster.placement_timeout_s:g} s for the cluster to grow", flush=True)
+          f"{cfg.cluster.placement_timeout_s:g} s for the autoscaler to add nodes", flush=True)
+
+
+def autoscaling_limits() -> dict[str, float] | None:
+    """How far the joined cluster can grow: None when no autoscaler can add nodes, ``{}`` when one
+    can but publishes no limits, else the most of each resource its node groups reach (what Ray
+    Train and Ray Data check their requests against too).
+
+    Autoscaler v2 says so in the GCS (its flag, and its cluster config once reported). Every head
+    runs a v1 monitor that writes its status; without an autoscaling config (``ray start``, a
+    KubeRay cluster without in-tree autoscaling) it uses the read-only provider, whose node types
+    are the nodes themselves (``node_<id>``), where a real config names its node groups."""
+    import json
+
+    from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
+    from ray._private.state import state
+    from ray._raylet import GCS_AUTOSCALER_STATE_NAMESPACE, GCS_AUTOSCALER_V2_ENABLED_KEY
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    limits = state.get_max_resources_from_cluster_config()
+    if limits:
+        return {k: float(v) for k, v in limits.items()}
+    if _internal_kv_get(GCS_AUTOSCALER_V2_ENABLED_KEY,
+                        namespace=GCS_AUTOSCALER_STATE_NAMESPACE) == b"1":
+        return {}
+    status = _internal_kv_get(DEBUG_AUTOSCALING_STATUS)
+    if not status:
+        return None
+    types = (json.loads(status).get("autoscaler_report") or {}).get("node_type_mapping") or {}
+    readonly = bool(types) and all(t == f"node_{n}" for n, t in types.items())
+    return None if readonly else {}
 
 
 def _value(cfg, key: str, res: str):

@@ -10,6 +10,13 @@ from pathlib import Path
 
 import torch
 
+# How every HF config, tokenizer and model is read: from the local directory only, running no code
+# from it (a directory whose config or tokenizer names its own Python classes, ``auto_map``, is
+# refused, not executed, and a terminal is never asked), weights from safetensors only (a
+# ``pytorch_model.bin`` is a pickle, which can run code as it loads). The one place that says so.
+HF_LOAD = {"local_files_only": True, "trust_remote_code": False}
+HF_WEIGHTS = {**HF_LOAD, "use_safetensors": True}
+
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
     """Load an HF causal LM from a local directory (nothing is ever fetched from a hub)."""
@@ -19,7 +26,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model directory {path} has no config.json (build it with "
                                 f"`make model` or point rollout.model_path at an HF model directory)")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **HF_WEIGHTS)
     model.eval()
     return model
 
@@ -27,7 +34,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(path), **HF_LOAD)
 
 
 LOGPROB_CHUNK_TOKENS = 1024  # response tokens whose [tokens, vocab] logits exist at once

@@ -27,12 +27,14 @@ the versions the batches were generated with depend on timing, so that continuat
 """
 from __future__ import annotations
 
+import atexit
 import glob
 import json
 import os
 import re
 import shutil
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -174,6 +176,7 @@ def save(run_dir: Path, cfg, pools, *, step: int, version: int, sampler, accurac
 
     from cluster.pools import on_learners
     from launch.config import to_yaml
+    from launch.recovery import call
 
     root = Path(run_dir) / "checkpoints"
     final, part = root / f"step-{step:06d}", root / f"step-{step:06d}.partial"
@@ -182,7 +185,9 @@ def save(run_dir: Path, cfg, pools, *, step: int, version: int, sampler, accurac
     part.mkdir(parents=True)
     ray.get([lrn.save_checkpoint.remote(str(part / "deepspeed")) for lrn in pools.learners])
     on_learners(pools, "save_hf", str(part / "hf"))
-    ray.get(pools.buffer.snapshot.remote(str(part / "buffer")))
+    # a buffer actor lost half-way is re-created and snapshots again, into an empty folder
+    call(pools, "snapshot", str(part / "buffer"),
+         on_retry=lambda: shutil.rmtree(part / "buffer", ignore_errors=True))
     (part / "config.yaml").write_text(to_yaml(cfg))
     state = {"step": step, "version": version, "sampler": sampler.position(),
              "accuracy_before": accuracy_before, "next_batch_in_buffer": in_flight > 0,
@@ -236,6 +241,21 @@ class StopRequest:
         if threading.current_thread() is threading.main_thread():
             for s in signals:
                 signal.signal(s, self._handle)
+
+    def discard_until_started(self, run_dir: Path) -> None:
+        """Remove ``run_dir`` if this process ends before ``steps_started`` (a placement timeout,
+        SIGTERM, an actor that failed to start): a run that never trained leaves no folder behind.
+        Done at exit, when the error has been reported, and after Ray is shut down, so that no
+        actor of this run writes into the folder afterwards."""
+        atexit.register(self._discard, Path(run_dir))
+
+    def _discard(self, run_dir: Path) -> None:
+        if self.deferred or not run_dir.exists():
+            return
+        ray = sys.modules.get("ray")  # (importing it at exit would fail, and nothing to stop)
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
+        shutil.rmtree(run_dir)
 
     def steps_started(self) -> None:
         """From now on a signal waits for the end of the current step (and its checkpoint)."""

@@ -19,6 +19,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from actors.config import EngineKind, RolloutConfig, ScorerConfig
 from buffer.config import BufferConfig
 from cluster.config import ClusterConfig
+from common import secrets
 from common.dtypes import Dtype
 from common.errors import ConfigError
 from common.validate import check_range
@@ -219,6 +220,7 @@ def load_config(argv: list[str] | None = None, *, default: bool = True) -> Train
     except OmegaConfBaseException as err:
         raise _as_config_error(err, schema, "config") from None
     cfg.validate()
+    secrets.check_config(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
     return cfg
 
 

@@ -16,9 +16,11 @@ from pathlib import Path
 from common.errors import ConfigError
 
 KEY = "rollout.model_path"
-# What from_pretrained loads weights from; an index names shard files that must exist too.
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# What from_pretrained loads weights from (safetensors only: common.modeling.HF_WEIGHTS); an index
+# names shard files that must exist too.
+WEIGHT_FILES = ("model.safetensors",)
+WEIGHT_INDEXES = ("model.safetensors.index.json",)
+PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 def check_model(cfg):
@@ -71,6 +73,8 @@ def _model_config(path: Path):
     transformers cannot read (no or unknown model_type) names the file, not a traceback."""
     from transformers import AutoConfig
 
+    from common.modeling import HF_LOAD
+
     file = path / "config.json"
     try:
         raw = json.loads(file.read_text(encoding="utf-8"))
@@ -80,9 +84,12 @@ def _model_config(path: Path):
     if not isinstance(raw, dict):
         raise ConfigError(KEY, str(path), f"a model whose {file} is a JSON object")
     try:
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+        return AutoConfig.from_pretrained(str(path), **HF_LOAD)
     except Exception as e:  # transformers raises ValueError/KeyError/OSError for a config it rejects
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "auto_map" in raw:
+            msg = (f"{file} names its own code (auto_map: {sorted(raw['auto_map'])}), which is "
+                   "never run (trust_remote_code is off); a model_type transformers knows")
         raise ConfigError(KEY, str(path), f"a config.json transformers can read: {msg}") from None
 
 
@@ -100,8 +107,11 @@ def _check_weights(path: Path) -> None:
                 raise ConfigError(KEY, str(path), f"every shard {index} names; missing {missing}")
             return
     if not any((path / name).is_file() for name in WEIGHT_FILES):
-        raise ConfigError(KEY, str(path), "a model directory with weights (one of "
-                          f"{', '.join(WEIGHT_FILES + WEIGHT_INDEXES)})")
+        pickled = [n for n in PICKLED if (path / n).is_file()]
+        why = f"; {pickled[0]} is a pickle, never loaded: save the model with " \
+              "save_pretrained (safetensors)" if pickled else ""
+        raise ConfigError(KEY, str(path), "a model directory with safetensors weights (one of "
+                          f"{', '.join(WEIGHT_FILES + WEIGHT_INDEXES)}){why}")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")

@@ -103,9 +103,9 @@ def launch_rollouts(pools, sampler: PromptSampler, version: int) -> list[tuple]:
     of the weights it holds when the call starts (it swaps in staged weights first): that version
     depends on timing, between ``version`` and the learner's version when the batch is gathered."""
     if pools.requeue:  # buffer.stale_policy=requeue: stale groups' prompts are generated again
-        import ray
+        from launch.recovery import call
 
-        sampler.requeue(ray.get(pools.buffer.take_requeued.remote()))
+        sampler.requeue(call(pools, "take_requeued"))
     problems, batch = sampler.next(), sampler.drawn
     tag = _row_version(pools, version)
     return [(i, chunk, batch, pools.rollout[i].rollout.remote(chunk, tag, batch))
@@ -130,11 +130,11 @@ def land_rollouts(in_flight, pools, cfg, version: int) -> int:
     """Every batch in flight into the buffer (before a checkpoint); ``in_flight`` then holds as
     many landed (empty) entries, so the run goes on as if they were still running. Returns how
     many batches it holds (``trainer_state.json``'s ``in_flight``: resume refills from it)."""
-    import ray
+    from launch.recovery import call
 
     n = len(in_flight)
     for calls in list(in_flight):
-        ray.get(pools.buffer.append.remote(gather_rollouts(calls, pools, cfg, version)))
+        call(pools, "append", gather_rollouts(calls, pools, cfg, version))
     in_flight.clear()
     in_flight.extend([] for _ in range(n))
     return n
@@ -171,21 +171,22 @@ def score_pending(pools, cfg, version: int) -> None:
     from ray.exceptions import RayActorError
 
     from cluster.elastic import replace_dead
+    from launch.recovery import call
 
     for attempt in range(2):
-        pending = ray.get(pools.buffer.pending_scoring.remote(cfg.buffer.capacity))
+        pending = call(pools, "pending_scoring", cfg.buffer.capacity)
         calls = [s.score.remote(part) for s, part in
                  zip(pools.scorer, split_rows(pending, len(pools.scorer)))]
         try:
             for ids, old, ref in ray.get(calls):
-                ray.get(pools.buffer.set_scores.remote(ids, old, version, ref_logprobs=ref))
+                call(pools, "set_scores", ids, old, version, ref_logprobs=ref)
             return
         except RayActorError as err:
             if attempt:
                 raise
             print(f"[elastic] scorer lost ({type(err).__name__}): {replace_dead(pools, cfg)}",
                   flush=True)
-            ray.get(pools.buffer.release.remote(pending.column("sample_id").to_pylist()))
+            call(pools, "release", pending.column("sample_id").to_pylist())
 
 
 def sync_weights(pools, cfg) -> tuple[int, dict]:
@@ -237,9 +238,9 @@ def batch_metrics(batch, learner_version: int) -> dict:
 
 def buffer_depth(pools) -> dict:
     """How full the replay buffer is after a step (rows held, whole scored groups ready)."""
-    import ray
+    from launch.recovery import call
 
-    st = ray.get(pools.buffer.stats.remote())
+    st = call(pools, "stats")
     return {"buffer/live_rows": st["live_rows"], "buffer/ready_groups": st["ready_groups"],
             "buffer/fill_fraction": st["fill_fraction"]}
 

@@ -49,11 +49,13 @@ def main(argv: list[str]) -> dict:
     stop = checkpoint.StopRequest()
     # A fresh folder per run, so a second run never mixes with (or deletes) an earlier one's files.
     run_dir.mkdir(parents=True, exist_ok=False)
+    stop.discard_until_started(run_dir)  # a run that ends before its first step leaves no folder
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
     from buffer.tensors import to_tensors
     from cluster.pools import broadcast_weights, build_pools, connect_weight_sync, on_learners
     from launch.faults import Faults
+    from launch.recovery import call as buffer  # a lost buffer actor is re-created, the call repeated
     from launch.steps import (MetricsLog, PromptSampler, batch_metrics, buffer_depth, evaluate_sets,
                               fill_rollouts, gather_rollouts, land_rollouts, score_pending,
                               sync_weights)
@@ -96,7 +98,7 @@ def main(argv: list[str]) -> dict:
         faults.note_rewards(step, rows)  # rewards that raised or timed out: 0, marked, counted
         if overlap:  # async: the next rollouts start now, with the current weights, and
             fill_rollouts(in_flight, pools, sampler, version, cfg.run.steps)  # overlap training
-        ray.get(pools.buffer.append.remote(rows))
+        buffer(pools, "append", rows)
         t_roll = time.time() - t0
 
         # 6b. Dense scorer: old-policy log-probs for every row waiting for them.
@@ -105,7 +107,7 @@ def main(argv: list[str]) -> dict:
         # 6c. A batch of whole groups within the staleness bound -> padded tensors; GRPO advantages
         # and the correction (IS weights, rejection) over the whole batch, then whole groups per
         # learner, so the update does not depend on how the batch is split.
-        batch = ray.get(pools.buffer.sample_batch.remote(cfg.run.prompts_per_step, version))
+        batch = buffer(pools, "sample_batch", cfg.run.prompts_per_step, version)
         if batch is None:
             raise RuntimeError(f"step {step}: the buffer had no complete scored groups to train on")
 
@@ -122,7 +124,7 @@ def main(argv: list[str]) -> dict:
         # 6f. Metrics: reward, mismatch and correction statistics, timings.
         record = {"step": step, "version": version, **batch_metrics(batch, version),
                   "time/rollout_wait_s": t_roll, "time/step_s": time.time() - t0, **sync,
-                  **buffer_depth(pools), **faults.metrics(),
+                  **buffer_depth(pools), **faults.metrics(), **pools.faults,
                   **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
         if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < cfg.run.steps:
             record.update(evaluate_sets(pools.rollout, evals, cfg.run.eval_greedy, log.progress))
@@ -148,7 +150,7 @@ def main(argv: list[str]) -> dict:
     on_learners(pools, "save_hf", str(run_dir / "final"))
     summary = {"steps": cfg.run.steps, "version": version, "time_s": round(time.time() - t_start, 1),
                "accuracy_before": acc_before, "accuracy_after": acc_after, "eval_after": after,
-               "run_dir": str(run_dir), **overlong, **faults.metrics()}
+               "run_dir": str(run_dir), **overlong, **faults.metrics(), **pools.faults}
     log.summary(summary)
     ray.shutdown()
     return summary
@@ -156,6 +158,7 @@ def main(argv: list[str]) -> dict:
 
 if __name__ == "__main__":
     from common.errors import ConfigError, DataError, TrainingFault
+    from launch.recovery import BufferLost
 
     if {"-h", "--help"} & set(sys.argv[1:]):  # usage + every key, from the config dataclasses
         from launch.helptext import usage
@@ -168,3 +171,6 @@ if __name__ == "__main__":
     except TrainingFault as err:  # poisoned batches in a row, or non-finite weights: named
         print(f"error: {err}", file=sys.stderr)
         sys.exit(3)
+    except BufferLost as err:  # a lost buffer that cannot be re-created: names the resume= to run
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)

@@ -123,9 +123,11 @@ def test_killed_and_restarted_actors_rejoin_with_the_learners_weights(ray_env, p
     ray.kill(pools.rollout[0], no_restart=True)   # gone for good: replaced
     ray.kill(pools.scorer[0], no_restart=False)   # Ray restarts it, fresh and outside the group
     _await_restart(ray, pools.scorer[0])
+    counted = pools.faults["faults/actor_replacements"]
     report = replace_dead(pools, cfg)
 
     assert report == ["rollout actor 0: dead, replaced", "scorer 0: restarted by Ray, rejoined"]
+    assert pools.faults["faults/actor_replacements"] == counted + 2  # metrics and summary
     assert pools.scorer[0] is old_scorer and pools.rollout_ids == [0]
     assert_in_sync(ray, pools, v)
     # the replacement has actor_id 0 and the learner's weights: it regenerates the lost chunk
@@ -137,6 +139,7 @@ def test_killed_and_restarted_actors_rejoin_with_the_learners_weights(ray_env, p
     assert broadcast_weights(pools)[0] == v2
     assert_in_sync(ray, pools, v2)
     assert replace_dead(pools, cfg) == []          # nothing wrong: nothing done
+    assert pools.faults["faults/actor_replacements"] == counted + 2
 
 
 @pytest.mark.slow

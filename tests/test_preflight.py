@@ -54,7 +54,7 @@ def test_garbage_config_json_names_the_file_and_position(broken):
 def test_config_without_weights(broken):
     for f in broken.glob("*.safetensors"):
         f.unlink()
-    with pytest.raises(ConfigError, match=r"rollout.model_path.*a model directory with weights"):
+    with pytest.raises(ConfigError, match=r"rollout.model_path.*a model directory with safetensors weights"):
         _check(broken)
     (broken / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}}))

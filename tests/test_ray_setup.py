@@ -1,4 +1,5 @@
-"""A local Ray started by the project listens on loopback only and keeps actors to one thread."""
+"""A local Ray started by the project listens on loopback only, runs no dashboard and keeps actors
+to one thread."""
 from __future__ import annotations
 
 import ipaddress
@@ -28,6 +29,12 @@ def test_local_ray_listens_on_loopback_only(local_ray):
     probe = Probe.remote()
     assert ray.get(probe.threads.remote()) == "1"
     assert ray.nodes()[0]["NodeManagerAddress"] == "127.0.0.1"
+    # no dashboard web UI: no URL, and Ray's dashboard process runs without its frontend (what
+    # it does listen on is checked with the rest below)
+    assert not ray._private.worker._global_node.address_info.get("webui_url")
+    heads = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)
+             if "dashboard/dashboard.py" in " ".join(p.cmdline())]
+    assert all("--disable-frontend" in c and "--host=127.0.0.1" in c for c in heads), heads
     addrs = _listening_addresses(os.getpid())
     assert addrs, "expected Ray's servers among this process's children"
     for ip in addrs:

@@ -1,13 +1,17 @@
-"""The resource plan against the cluster: a local Ray that can never place the pools stops before
-any actor exists, naming the key, resource, need and total; a joined (possibly autoscaling) cluster
-only warns; an actor never placed ends in an error after cluster.placement_timeout_s."""
+"""The resource plan against the cluster: a local Ray, or a joined cluster without an autoscaler,
+that can never place the pools stops before any actor exists, naming the key, resource, need and
+total; a joined cluster whose autoscaler can grow enough only warns (beyond its published limits:
+an error); an actor never placed ends in an error after cluster.placement_timeout_s."""
 from __future__ import annotations
 
+import json
+import time
 from types import SimpleNamespace
 
 import pytest
 
-from cluster.resources import check_plan, shortfalls, wait_placed
+from cluster import resources
+from cluster.resources import autoscaling_limits, check_plan, shortfalls, wait_placed
 from common.errors import ConfigError
 from launch.config import load_config
 
@@ -40,13 +44,60 @@ def test_missing_gpus_name_the_pool_key():
         check_plan(cfg, _ray(CPU=16.0))
 
 
-def test_joined_cluster_only_warns(capsys):
-    """An existing cluster may autoscale (KubeRay): its total now is not its total ever."""
+def test_joined_cluster_without_an_autoscaler_is_refused(monkeypatch):
+    """Its total counts every node, busy or not: beyond it nothing is ever placed."""
+    monkeypatch.setattr(resources, "autoscaling_limits", lambda: None)
     cfg = load_config(["cluster.address=auto", "cluster.rollout_gpus=1"])
-    check_plan(cfg, _ray(CPU=4.0))
-    out = capsys.readouterr().out
-    assert "GPU 1 in all (rollout 1 x 1); the cluster has 0 in total" in out
-    assert "cluster.placement_timeout_s=900" in out
+    with pytest.raises(ConfigError, match=r"'cluster.rollout_gpus': got 1.0;.*this cluster \(no "
+                                          r"autoscaler advertises itself\).*GPU 1 in all \(rollout "
+                                          r"1 x 1\); the cluster has 0 in total"):
+        check_plan(cfg, _ray(CPU=4.0))
+    check_plan(load_config(["cluster.address=auto"]), _ray(CPU=4.0))  # fits: nothing said
+
+
+def test_joined_autoscaling_cluster_warns_within_its_limits(monkeypatch, capsys):
+    """An autoscaler may add what is missing now (KubeRay): a warning, the placement timeout as
+    the backstop; beyond the limits it publishes, an error."""
+    cfg = load_config(["cluster.address=auto", "cluster.rollout_gpus=1"])
+    for limits in ({}, {"CPU": 64.0, "GPU": 8.0}):  # v1: no limits published; v2: its maximum
+        monkeypatch.setattr(resources, "autoscaling_limits", lambda: limits)
+        check_plan(cfg, _ray(CPU=4.0))
+        out = capsys.readouterr().out
+        assert "GPU 1 in all (rollout 1 x 1); the cluster has 0 in total" in out
+        assert "cluster.placement_timeout_s=900" in out
+    monkeypatch.setattr(resources, "autoscaling_limits", lambda: {"CPU": 64.0, "GPU": 2.0})
+    cfg = load_config(["cluster.address=auto", "cluster.rollout_gpus=1", "rollout.num_actors=3"])
+    with pytest.raises(ConfigError, match=r"'cluster.rollout_gpus'.*GPU 3 in all \(rollout 3 x "
+                                          r"1\); its autoscaler reaches 2 at most"):
+        check_plan(cfg, _ray(CPU=4.0))
+
+
+def test_autoscaling_limits_as_the_gcs_advertises_them(local_ray):
+    """Read from the cluster itself: nothing on a plain Ray; v1's status; v2's cluster config."""
+    from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
+    from ray._raylet import (GCS_AUTOSCALER_CLUSTER_CONFIG_KEY, GCS_AUTOSCALER_STATE_NAMESPACE,
+                             GCS_AUTOSCALER_V2_ENABLED_KEY)
+    from ray.core.generated import autoscaler_pb2
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_put
+
+    deadline = time.time() + 30  # the head's v1 monitor writes its status every few seconds
+    while not _internal_kv_get(DEBUG_AUTOSCALING_STATUS) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _internal_kv_get(DEBUG_AUTOSCALING_STATUS)
+    assert autoscaling_limits() is None  # the read-only provider: this Ray adds no node
+    status = {"autoscaler_report": {"node_type_mapping": {"ab12": "gpu-workers"}}}
+    for value in (status, {}):  # v1 with an autoscaling config (its node groups), or early on
+        _internal_kv_put(DEBUG_AUTOSCALING_STATUS, json.dumps(value))
+        assert autoscaling_limits() == {}
+    _internal_kv_del(DEBUG_AUTOSCALING_STATUS)
+    _internal_kv_put(GCS_AUTOSCALER_V2_ENABLED_KEY, "1", namespace=GCS_AUTOSCALER_STATE_NAMESPACE)
+    assert autoscaling_limits() == {}  # v2, before it reported its cluster config
+    config = autoscaler_pb2.ClusterConfig()
+    group = config.node_group_configs.add(name="gpu", max_count=4)
+    group.resources.update({"CPU": 8, "GPU": 2})
+    _internal_kv_put(GCS_AUTOSCALER_CLUSTER_CONFIG_KEY, config.SerializeToString(),
+                     namespace=GCS_AUTOSCALER_STATE_NAMESPACE)
+    assert autoscaling_limits() == {"CPU": 32.0, "GPU": 8.0}
 
 
 def test_an_actor_never_placed_is_an_error_not_a_hang(local_ray):

@@ -1,9 +1,12 @@
-"""Guards before the first step: resume= refuses a checkpoint of another task or model, and
-SIGTERM ends a run that has not started a step (later it waits for the step's checkpoint)."""
+"""Guards before the first step: resume= refuses a checkpoint of another task or model, SIGTERM
+ends a run that has not started a step (later it waits for the step's checkpoint), and a run that
+ends before its first step leaves no run folder."""
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -53,3 +56,20 @@ def test_sigterm_before_the_first_step_exits_after_it_waits():
         assert stop and stop.signal == "SIGTERM"
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+@pytest.mark.parametrize("started, how", [(False, "raise SystemExit(2)"),
+                                          (False, "os.kill(os.getpid(), signal.SIGTERM)"),
+                                          (False, "raise RuntimeError('an actor failed')"),
+                                          (True, "raise RuntimeError('a step failed')")])
+def test_a_run_folder_is_removed_unless_a_step_started(tmp_path, started, how):
+    run_dir = tmp_path / "r-1"
+    script = (f"import os, signal, time\nfrom pathlib import Path\nfrom launch import checkpoint\n"
+              f"stop = checkpoint.StopRequest()\nrun_dir = Path({str(run_dir)!r})\n"
+              f"run_dir.mkdir()\n(run_dir / 'config.yaml').write_text('x')\n"
+              f"stop.discard_until_started(run_dir)\n"
+              f"{'stop.steps_started()' if started else ''}\n{how}\ntime.sleep(30)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert run_dir.exists() == started, proc.stderr[-2000:]

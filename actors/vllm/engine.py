@@ -92,7 +92,9 @@ class VLLMEngine:
         if "max_model_len" not in overrides:
             from transformers import AutoConfig
 
-            model_cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+            from common.modeling import HF_LOAD
+
+            model_cfg = AutoConfig.from_pretrained(str(path), **HF_LOAD)
             kw["max_model_len"] = derive_max_model_len(cfg, model_cfg)
         kw.update(overrides)
         return cls(path, **kw)
@@ -117,11 +119,14 @@ class VLLMEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
+        from common.modeling import HF_LOAD
+
         cpu = current_platform.is_cpu()
         max_model_len = self._check_max_model_len(max_model_len)
         self._check_tensor_parallel(cpu)
         kwargs = dict(
             model=self.model_path, tokenizer=self.model_path, skip_tokenizer_init=False,
+            trust_remote_code=HF_LOAD["trust_remote_code"], load_format="safetensors",
             dtype={torch.float32: "float32", torch.bfloat16: "bfloat16",
                    torch.float16: "float16"}[self.dtype],
             seed=int(seed), max_num_seqs=self.batch_size,

@@ -25,7 +25,9 @@ def hf_skeleton(model_path: str | Path, dtype: torch.dtype):
     """The HF causal LM of model_path on the meta device (no memory, names/shapes/dtypes only)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(str(model_path), local_files_only=True)
+    from common.modeling import HF_LOAD
+
+    config = AutoConfig.from_pretrained(str(model_path), **HF_LOAD)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
