@@ -108,8 +108,11 @@ def test_a_buffer_without_segments_stops_with_the_resume_to_run(local_ray, tmp_p
 
     pools = _pools(tmp_path, root="elsewhere")
     ckpt = tmp_path / "checkpoints" / "step-000002"
-    ckpt.mkdir(parents=True)
-    (ckpt / "trainer_state.json").write_text("{}")
+    for folder in ("deepspeed/global_step2", "hf", "buffer"):  # every part of a complete one
+        (ckpt / folder).mkdir(parents=True)
+    (ckpt / "deepspeed" / "latest").write_text("global_step2")
+    for name in ("hf/config.json", "trainer_state.json", "config.yaml"):
+        (ckpt / name).write_text("{}")
     _fill(pools, 1)
     _kill(local_ray, pools.buffer)
     shutil.rmtree(pools.buffer_root)  # as if the new actor ran on a node that cannot see it

@@ -80,10 +80,15 @@ def test_autoscaling_limits_as_the_gcs_advertises_them(local_ray):
     from ray.core.generated import autoscaler_pb2
     from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_put
 
-    deadline = time.time() + 30  # the head's v1 monitor writes its status every few seconds
-    while not _internal_kv_get(DEBUG_AUTOSCALING_STATUS) and time.time() < deadline:
+    def report():
+        status = _internal_kv_get(DEBUG_AUTOSCALING_STATUS)
+        return status and json.loads(status).get("autoscaler_report")
+
+    # the head's v1 monitor writes its status every few seconds; its first ones carry no report yet
+    deadline = time.time() + 60
+    while not report() and time.time() < deadline:
         time.sleep(0.2)
-    assert _internal_kv_get(DEBUG_AUTOSCALING_STATUS)
+    assert report()
     assert autoscaling_limits() is None  # the read-only provider: this Ray adds no node
     status = {"autoscaler_report": {"node_type_mapping": {"ab12": "gpu-workers"}}}
     for value in (status, {}):  # v1 with an autoscaling config (its node groups), or early on

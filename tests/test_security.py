@@ -52,12 +52,19 @@ def test_every_hf_load_takes_the_one_set_of_options():
     assert kw["load_format"] == "'safetensors'"
 
 
+# Modules that pickle only between a process and the child it started itself (same trust domain),
+# never model weights or anything read from disk or the network.
+PICKLE_IPC = {"tasks/rewards.py": "reward inputs (strings) and results to its own child process"}
+
+
 def test_torch_load_and_pickle_are_not_used_for_weights():
     for path, call in _calls("load"):
         if ast.unparse(call.func) == "torch.load":
             kw = {k.arg: ast.unparse(k.value) for k in call.keywords}
             assert kw.get("weights_only") == "True", f"{path}:{call.lineno}"
     for path in SOURCES:
+        if path.relative_to(REPO).as_posix() in PICKLE_IPC:
+            continue
         tree = ast.parse(path.read_text())
         names = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
                  for a in n.names} | {n.module for n in ast.walk(tree)
