@@ -49,6 +49,7 @@ class RolloutActor:
         self._receiver = None
         self._calls = 0
         self._dense = None
+        self._probes, self._realized, self._cost = {}, {}, None   # dynamic KV schedule
         # rollouts ahead (run.rollouts_ahead > 1): ``stage_weights`` receives into ``_staged``
         # beside a running rollout; the next rollout()/evaluate() swaps it in (``_swap_staged``)
         self._stage_lock = threading.Lock()
@@ -127,6 +128,7 @@ class RolloutActor:
         budget = 0 if policy == KVPolicy.dense.value else int(kv.budget)   # 0: unbounded (dense)
         tag = f"b{batch}" if batch is not None else f"c{self._calls - 1}"
         dense = self._dense_sampler_logprobs(outs) if self.cfg.dense_logprobs else None
+        agreement = self._probe(outs, params)   # {row: alpha per token} for probe rows
         rows = []
         for j, out in enumerate(outs):
             prob = problems[j // g]
@@ -141,10 +143,61 @@ class RolloutActor:
                 "response_len": len(out.response_ids), "finish_reason": out.finish_reason,
                 "gen_time_s": elapsed / max(1, len(outs)), "logprob_mode": params.logprob_mode,
                 "peak_kv_bytes": int(out.peak_kv_bytes),
+                "kv_bin_budgets": list(out.bin_budgets) or None, "kv_agreement": agreement.get(j),
             })
             if dense is not None:
                 rows[-1]["dense_sampler_logprobs"] = dense[j]
         return rows
+
+    # ---- KV budget schedule (issue 14) -------------------------------------------------------
+    def _probe(self, outs, params) -> dict[int, list[float]]:
+        """Probe rows (``rollout.kv.probe_share``): exact alpha per response token at the schedule
+        in use; with ``schedule=dynamic`` also the candidate-budget table, kept until the driver
+        takes it (``take_probes``)."""
+        from actors.config import KVSchedule
+        from actors.probes import agreement, candidate_budgets, probe_rows, probe_table
+        from schedule.plan import bin_alphas, merge
+
+        kv = self.cfg.kv
+        rows = [j for j in probe_rows(len(outs), kv.probe_share) if outs[j].response_ids]
+        if not rows:
+            return {}
+        prompts = [list(outs[j].prompt_ids) for j in rows]
+        responses = [list(outs[j].response_ids) for j in rows]
+        micro, dense = int(self.cfg.dense_micro_batch), self._dense_engine()
+        alphas = agreement(self.engine, dense, prompts, responses, params, micro)
+        if KVSchedule(kv.schedule) == KVSchedule.dynamic:
+            plens = [len(p) for p in prompts]
+            table = probe_table(self.engine, dense, prompts, responses, params,
+                                candidate_budgets(kv), micro)
+            self._probes = merge([self._probes, {b: bin_alphas(plens, a, kv.bin_tokens)
+                                                 for b, a in table.items()}])
+            self._realized = merge([{0: self._realized},
+                                    {0: bin_alphas(plens, alphas, kv.bin_tokens)}])[0]
+        return dict(zip(rows, alphas))
+
+    def take_probes(self) -> dict:
+        """The probe table gathered since the last call ({budget: {bin: alphas}}), the realised
+        alphas per bin at the schedule in use, and that schedule; then forgets them."""
+        out = {"table": self._probes, "realized": self._realized,
+               "budgets": list(self.engine.budgets)}
+        self._probes, self._realized = {}, {}
+        return out
+
+    def set_budgets(self, budgets: list[int]) -> None:
+        """The KV budget per position bin from the next rollout on (the driver's re-plan)."""
+        self.engine.set_budgets(budgets)
+
+    def kv_cost_model(self, cache_dir: str = ".cache/cost_models") -> dict:
+        """The engine's decode cost model (``schedule.cost``), measured once per model and
+        machine and cached under ``cache_dir``."""
+        from dataclasses import asdict
+
+        from schedule.cost import load_or_measure
+
+        if self._cost is None:
+            self._cost = asdict(load_or_measure(self.engine, self.model_path, cache_dir))
+        return self._cost
 
     def _dense_sampler_logprobs(self, outs) -> list[list[float]]:
         """pi_dense^v: teacher-forced dense log-probs of each response under the weights that just

@@ -48,6 +48,12 @@ SCHEMA = pa.schema([
     # most KV bytes the engine stored for this sequence (all layers, K and V); null in segments
     # written before it was recorded
     pa.field("peak_kv_bytes", pa.int64()),
+    # KV budget in force in each position bin the sequence reached (rollout.kv.bin_tokens; null:
+    # a dense cache or another engine)
+    pa.field("kv_bin_budgets", pa.list_(pa.int32())),
+    # exact per-token agreement 1 - TV of the sparse and dense next-token distributions, len =
+    # response; probe rows only (rollout.kv.probe_share), null elsewhere
+    pa.field("kv_agreement", LP),
 ])
 
 LOG_SCHEMA = pa.schema([

@@ -53,8 +53,8 @@ def main(argv: list[str]) -> dict:
     from buffer.tensors import to_tensors
     from cluster.pools import broadcast_weights, build_pools, connect_weight_sync, on_learners
     from launch.steps import (MetricsLog, PromptSampler, batch_metrics, buffer_depth, evaluate_sets,
-                              fill_rollouts, gather_rollouts, land_rollouts, score_pending,
-                              sync_weights)
+                              fill_rollouts, gather_rollouts, land_rollouts, replan_schedule,
+                              score_pending, sync_weights)
     from learner.batch import prepare_batch, reduce_metrics, shard_batch
 
     t_start = time.time()
@@ -121,8 +121,10 @@ def main(argv: list[str]) -> dict:
         if not overlap:
             fill_rollouts(in_flight, pools, sampler, version, cfg.run.steps)
 
-        # 6f. Metrics: reward, mismatch and correction statistics, timings.
-        record = {"step": step, "version": version, **batch_metrics(batch, version),
+        # 6f. Metrics: reward, mismatch and correction statistics, timings. A dynamic KV schedule
+        # (rollout.kv.schedule=dynamic) re-plans its budgets from the latest probes here.
+        record = {"step": step, "version": version, **replan_schedule(pools, cfg, step),
+                  **batch_metrics(batch, version, cfg.rollout.kv.bin_tokens),
                   "time/rollout_wait_s": t_roll, "time/step_s": time.time() - t0, **sync,
                   **buffer_depth(pools),
                   **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}

@@ -16,7 +16,8 @@ from tasks.base import Problem
 torch.set_num_threads(1)
 ROW_KEYS = {"sample_id", "group_id", "prompt_idx", "prompt_ids", "response_ids", "sampler_logprobs",
             "reward", "policy_version", "kv_policy", "kv_budget", "kept_ratio", "prompt_len",
-            "response_len", "finish_reason", "gen_time_s", "logprob_mode", "peak_kv_bytes"}
+            "response_len", "finish_reason", "gen_time_s", "logprob_mode", "peak_kv_bytes",
+            "kv_bin_budgets", "kv_agreement"}
 
 
 class ContainsAnswer:
