@@ -32,6 +32,11 @@ class KVSchedule(str, enum.Enum):
     dynamic = "dynamic"   # budgets per bin re-planned from probes and a cost model (schedule/)
 
 
+class KVObjective(str, enum.Enum):
+    speed = "speed"     # least predicted decode time (the engine's measured cost model)
+    memory = "memory"   # fewest KV slots held per generated token
+
+
 class LogprobMode(str, enum.Enum):
     processed = "processed"   # log-prob of the distribution sampled from (after top-k / top-p)
     raw = "raw"               # log_softmax(logits / temperature), no truncation
@@ -84,9 +89,11 @@ class KVConfig:
     margin: float = 0.0             # added to threshold when planning (probes are a sample)
     replan_every: int = 5           # training steps between re-plans (dynamic)
     protect_prompt: bool = False    # compression never evicts prompt tokens (they count in budget)
+    objective: KVObjective = KVObjective.speed   # what the re-planner minimises (dynamic)
 
     def __post_init__(self) -> None:
-        _coerce(self, "rollout.kv", {"policy": KVPolicy, "schedule": KVSchedule})
+        _coerce(self, "rollout.kv", {"policy": KVPolicy, "schedule": KVSchedule,
+                                     "objective": KVObjective})
 
     def bin_budgets(self) -> list[int]:
         """The configured budget of each bin (``budgets``, else ``[budget]``)."""
@@ -125,6 +132,7 @@ class KVConfig:
         check_range(f"{prefix}.threshold", self.threshold, lo=0.0, hi=1.0, lo_open=True)
         check_range(f"{prefix}.margin", self.margin, lo=0.0, hi=1.0)
         check_range(f"{prefix}.replan_every", self.replan_every, lo=1)
+        _enum(f"{prefix}.objective", KVObjective, self.objective)
         if policy == KVPolicy.dense and self.probe_share > 0:
             raise ConfigError(f"{prefix}.probe_share", self.probe_share,
                               f"0 with {prefix}.policy=dense (a dense cache agrees exactly)")

@@ -25,37 +25,34 @@ def probe_rows(n: int, share: float) -> list[int]:
 
 
 def agreement(engine, dense, prompts: list[list[int]], responses: list[list[int]], params,
-              micro_batch: int) -> list[list[float]]:
-    """alpha per response token for each (prompt, response), ``micro_batch`` rows per replay (the
-    replays hold rows x length x vocabulary floats)."""
-    out = []
-    for i in range(0, len(prompts), micro_batch):
-        p, r = prompts[i:i + micro_batch], responses[i:i + micro_batch]
-        for s, d in zip(engine.replay(p, r, params), dense.replay(p, r, params)):
-            out.append(tv_agreement(s, d).tolist())
-    return out
+              micro_batch: int, budgets: list[int] | None = None):
+    """alpha per response token for each (prompt, response), ``micro_batch`` rows per replay (a
+    replay holds rows x length x vocabulary floats). With ``budgets``: {budget: alphas} with the
+    engine at each single budget in turn (the dense replay is shared; the engine's own schedule is
+    restored afterwards); without: the alphas at the engine's schedule."""
+    saved = list(engine.budgets)
+    out: dict = {b: [] for b in (budgets or [None])}
+    try:
+        for i in range(0, len(prompts), micro_batch):
+            p, r = prompts[i:i + micro_batch], responses[i:i + micro_batch]
+            ref = dense.replay(p, r, params)
+            for b in out:
+                if b is not None:
+                    engine.set_budgets([b])
+                out[b] += [tv_agreement(s, d).tolist()
+                           for s, d in zip(engine.replay(p, r, params), ref)]
+    finally:
+        engine.set_budgets(saved)
+    return out if budgets else out[None]
 
 
-def candidate_budgets(kv) -> list[int]:
-    """The budgets probes are replayed at: ``rollout.kv.probe_budgets``, else eighths of the
-    configured budget from a quarter to twice it (at least the policy's forced slots + 1)."""
+def candidate_budgets(kv, longest: int) -> list[int]:
+    """The budgets probes are replayed at: ``rollout.kv.probe_budgets``, else every half bin from
+    the smallest the policy allows up to ``longest`` (a sequence's most tokens: the budget that
+    never compresses, whose agreement is exactly 1, so the planner can always fall back to it)."""
     if kv.probe_budgets:
         return sorted({int(b) for b in kv.probe_budgets})
     floor = max(kv.obs_window, kv.sink_tokens) + 1
-    base = max(kv.bin_budgets())
-    return sorted({max(floor, round(base * k / 8)) for k in range(2, 17)})
-
-
-def probe_table(engine, dense, prompts, responses, params, budgets: list[int],
-                micro_batch: int) -> dict[int, list[list[float]]]:
-    """{budget: alpha per token of every probe} with the engine at one budget everywhere; the
-    engine's own schedule is restored afterwards."""
-    saved = list(engine.budgets)
-    try:
-        table = {}
-        for b in budgets:
-            engine.set_budgets([b])
-            table[b] = agreement(engine, dense, prompts, responses, params, micro_batch)
-        return table
-    finally:
-        engine.set_budgets(saved)
+    step = max(1, kv.bin_tokens // 2)
+    top = -(-longest // step) * step
+    return [b for b in range(step, top + 1, step) if b >= floor] or [max(floor, top)]

@@ -128,7 +128,7 @@ class RolloutActor:
         budget = 0 if policy == KVPolicy.dense.value else int(kv.budget)   # 0: unbounded (dense)
         tag = f"b{batch}" if batch is not None else f"c{self._calls - 1}"
         dense = self._dense_sampler_logprobs(outs) if self.cfg.dense_logprobs else None
-        agreement = self._probe(outs, params)   # {row: alpha per token} for probe rows
+        agreement = self._probe(outs, params, batch)   # {row: alpha per token}, probe rows
         rows = []
         for j, out in enumerate(outs):
             prob = problems[j // g]
@@ -150,12 +150,12 @@ class RolloutActor:
         return rows
 
     # ---- KV budget schedule (issue 14) -------------------------------------------------------
-    def _probe(self, outs, params) -> dict[int, list[float]]:
+    def _probe(self, outs, params, batch: int | None) -> dict[int, list[float]]:
         """Probe rows (``rollout.kv.probe_share``): exact alpha per response token at the schedule
         in use; with ``schedule=dynamic`` also the candidate-budget table, kept until the driver
         takes it (``take_probes``)."""
         from actors.config import KVSchedule
-        from actors.probes import agreement, candidate_budgets, probe_rows, probe_table
+        from actors.probes import agreement, candidate_budgets, probe_rows
         from schedule.plan import bin_alphas, merge
 
         kv = self.cfg.kv
@@ -166,14 +166,19 @@ class RolloutActor:
         responses = [list(outs[j].response_ids) for j in rows]
         micro, dense = int(self.cfg.dense_micro_batch), self._dense_engine()
         alphas = agreement(self.engine, dense, prompts, responses, params, micro)
+        plens = [len(p) for p in prompts]
         if KVSchedule(kv.schedule) == KVSchedule.dynamic:
-            plens = [len(p) for p in prompts]
-            table = probe_table(self.engine, dense, prompts, responses, params,
-                                candidate_budgets(kv), micro)
-            self._probes = merge([self._probes, {b: bin_alphas(plens, a, kv.bin_tokens)
-                                                 for b, a in table.items()}])
             self._realized = merge([{0: self._realized},
                                     {0: bin_alphas(plens, alphas, kv.bin_tokens)}])[0]
+        # the candidate table only for batches the re-plan right after them reads (step k
+        # trains batch k; re-plans at multiples of replan_every): the table is most of the cost
+        if KVSchedule(kv.schedule) == KVSchedule.dynamic and (batch is None or
+                                                              batch % kv.replan_every == 0):
+            longest = max(plens) + self.cfg.max_new_tokens
+            table = agreement(self.engine, dense, prompts, responses, params, micro,
+                              candidate_budgets(kv, longest))
+            self._probes = merge([self._probes, {b: bin_alphas(plens, a, kv.bin_tokens)
+                                                 for b, a in table.items()}])
         return dict(zip(rows, alphas))
 
     def take_probes(self) -> dict:
@@ -188,15 +193,17 @@ class RolloutActor:
         """The KV budget per position bin from the next rollout on (the driver's re-plan)."""
         self.engine.set_budgets(budgets)
 
-    def kv_cost_model(self, cache_dir: str = ".cache/cost_models") -> dict:
+    def kv_cost_model(self, cache_dir: str | None = None) -> dict:
         """The engine's decode cost model (``schedule.cost``), measured once per model and
-        machine and cached under ``cache_dir``."""
+        machine and cached under ``cache_dir`` (default: the repository's ``.cache/cost_models``)."""
         from dataclasses import asdict
+        from pathlib import Path
 
         from schedule.cost import load_or_measure
 
         if self._cost is None:
-            self._cost = asdict(load_or_measure(self.engine, self.model_path, cache_dir))
+            cache = cache_dir or Path(__file__).resolve().parents[1] / ".cache" / "cost_models"
+            self._cost = asdict(load_or_measure(self.engine, self.model_path, cache))
         return self._cost
 
     def _dense_sampler_logprobs(self, outs) -> list[list[float]]:

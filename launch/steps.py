@@ -270,8 +270,8 @@ def replan_schedule(pools, cfg, step: int) -> dict:
     (so replacement actors and checkpoints carry it). Returns the ``schedule/*`` metrics."""
     import ray
 
-    from actors.config import KVSchedule
-    from schedule.cost import CostModel
+    from actors.config import KVObjective, KVSchedule
+    from schedule.cost import CostModel, bin_cost
     from schedule.plan import merge, plan
 
     kv = cfg.rollout.kv
@@ -284,7 +284,8 @@ def replan_schedule(pools, cfg, step: int) -> dict:
     realized = merge([{0: p["realized"]} for p in probes]).get(0, {})
     cost = CostModel.from_dict(ray.get(pools.rollout[0].kv_cost_model.remote()))
     counts = {k: len(v) for k, v in next(iter(table.values())).items()}
-    per_bin = _bin_cost(cost, kv, cfg.rollout.batch_size, counts)
+    per_bin = bin_cost(KVObjective(kv.objective).value, cost, kv.bin_tokens, kv.compress_every,
+                       cfg.rollout.batch_size, counts)
     budgets, info = plan(table, per_bin, kv.threshold, kv.margin, realized, kv.bin_budgets())
     ray.get([a.set_budgets.remote(budgets) for a in pools.rollout])
     kv.budgets = list(budgets)
@@ -295,15 +296,6 @@ def replan_schedule(pools, cfg, step: int) -> dict:
     out.update({f"schedule/budget_bin{k}": b for k, b in enumerate(budgets)})
     return out
 
-
-def _bin_cost(cost, kv, batch: int, counts: dict[int, int]):
-    """cost(bin, budget): predicted seconds of the probe tokens in that bin under the budget."""
-    width, every = int(kv.bin_tokens), int(kv.compress_every)
-
-    def per_bin(k: int, budget: int) -> float:
-        per_token = [cost.token_s(p, budget, every, batch) for p in range(k * width, (k + 1) * width)]
-        return counts.get(k, 0) * sum(per_token) / width
-    return per_bin
 
 
 def buffer_depth(pools) -> dict:

@@ -117,13 +117,14 @@ def main(argv: list[str]) -> dict:
 
         # 6e. New weights to every rollout and scorer actor, between generation batches (in async
         # mode the actors take them once their current rollout finishes; rollouts ahead: staged).
+        # A dynamic KV schedule (rollout.kv.schedule) re-plans its budgets from the probes first.
+        kv_plan = replan_schedule(pools, cfg, step)
         version, sync = sync_weights(pools, cfg)
         if not overlap:
             fill_rollouts(in_flight, pools, sampler, version, cfg.run.steps)
 
-        # 6f. Metrics: reward, mismatch and correction statistics, timings. A dynamic KV schedule
-        # (rollout.kv.schedule=dynamic) re-plans its budgets from the latest probes here.
-        record = {"step": step, "version": version, **replan_schedule(pools, cfg, step),
+        # 6f. Metrics: reward, mismatch and correction statistics, timings.
+        record = {"step": step, "version": version, **kv_plan,
                   **batch_metrics(batch, version, cfg.rollout.kv.bin_tokens),
                   "time/rollout_wait_s": t_roll, "time/step_s": time.time() - t0, **sync,
                   **buffer_depth(pools),

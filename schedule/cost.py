@@ -51,6 +51,29 @@ class CostModel:
         return cls(**d)
 
 
+def slots_held(position: int, budget: int, compress_every: int) -> float:
+    """KV slots a row holds when it writes ``position`` under ``budget`` (its position's worth
+    until it first fills budget + compress_every, then budget plus half a period on average)."""
+    if position < budget + compress_every:
+        return float(position + 1)
+    return budget + compress_every / 2
+
+
+def bin_cost(objective: str, model: "CostModel | None", bin_tokens: int, compress_every: int,
+             batch: int, counts: dict[int, int]):
+    """``cost(bin, budget)`` for ``schedule.plan.plan``: over the ``counts[bin]`` probe tokens of a
+    bin, predicted decode seconds (``objective="speed"``, needs ``model``) or KV slots held
+    (``"memory"``), each position of the bin weighted alike."""
+    def per_bin(k: int, budget: int) -> float:
+        span = range(k * bin_tokens, (k + 1) * bin_tokens)
+        if objective == "memory":
+            per = [slots_held(p, budget, compress_every) for p in span]
+        else:
+            per = [model.token_s(p, budget, compress_every, batch) for p in span]
+        return counts.get(k, 0) * sum(per) / bin_tokens
+    return per_bin
+
+
 def lstsq(features: list[list[float]], y: list[float]) -> list[float]:
     x = torch.tensor(features, dtype=torch.float64)
     t = torch.tensor(y, dtype=torch.float64)
