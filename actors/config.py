@@ -72,20 +72,23 @@ class KVConfig:
     obs_window: int = 8            # snapkv / rkv: last queries whose attention scores the keys
     pool_kernel: int = 7           # snapkv / rkv: 1-D pooling kernel over attention scores (odd)
     rkv_lambda: float = 0.1        # rkv: score = lambda * importance - (1 - lambda) * redundancy
-    # Budget schedule (Sparrow): positions (prompt included) fall in bins of ``bin_tokens``; a row
-    # is compressed to the budget of the bin of the next position it writes. ``budgets``: one per
-    # bin, the last also for every later position; empty: ``budget`` everywhere. ``dynamic``
-    # starts from them and re-plans every ``replan_every`` steps (the cheapest budgets whose probe
-    # agreement p5 stays >= ``threshold`` + ``margin`` in every bin; schedule/plan.py).
+    # Budget schedule (Sparrow): static keeps the configured budgets; dynamic re-plans them every
+    # replan_every steps (the cheapest budgets whose probe agreement p5 stays >= threshold +
+    # margin in every position bin; schedule/plan.py).
     schedule: KVSchedule = KVSchedule.static
+    # Positions (prompt included) per bin; a row compresses to the budget of the bin of the next
+    # position it writes.
     bin_tokens: int = 16
+    # Budget of each bin, the last also for every later position; empty: ``budget`` everywhere
+    # (dynamic: the starting schedule; the driver keeps the current one here).
     budgets: list[int] = field(default_factory=list)
-    # Probes: this share of each rollout call's sequences is replayed teacher-forced with a dense
-    # cache and at each of ``probe_budgets`` (empty: derived from ``budget``), giving the exact
-    # per-token agreement 1 - TV (row column ``kv_agreement``) and the re-planner's table.
+    # Share of each rollout call's sequences replayed teacher-forced with a dense cache: exact
+    # per-token agreement 1 - TV (row column ``kv_agreement``, per-bin metrics); dynamic: also at
+    # each of probe_budgets, the re-planner's table.
     probe_share: float = 0.0
+    # Budgets probes are replayed at (dynamic); empty: every half bin up to the longest sequence.
     probe_budgets: list[int] = field(default_factory=list)
-    threshold: float = 0.86         # Sparrow's stable window is 0.85-0.90
+    threshold: float = 0.86         # min per-bin p5 of probe agreement (Sparrow: 0.85-0.90 stable)
     margin: float = 0.0             # added to threshold when planning (probes are a sample)
     replan_every: int = 5           # training steps between re-plans (dynamic)
     protect_prompt: bool = False    # compression never evicts prompt tokens (they count in budget)

@@ -138,7 +138,8 @@ class RolloutActor:
                 "sample_id": f"{group}-s{j % g}", "group_id": group, "prompt_idx": int(prob.idx),
                 "prompt_ids": list(out.prompt_ids), "response_ids": list(out.response_ids),
                 "sampler_logprobs": [float(x) for x in out.logprobs], "reward": reward,
-                "policy_version": int(version), "kv_policy": policy, "kv_budget": budget,
+                "policy_version": int(version), "kv_policy": policy,
+                "kv_budget": max(out.bin_budgets, default=budget),   # the largest in force
                 "kept_ratio": float(out.kept_ratio), "prompt_len": len(out.prompt_ids),
                 "response_len": len(out.response_ids), "finish_reason": out.finish_reason,
                 "gen_time_s": elapsed / max(1, len(outs)), "logprob_mode": params.logprob_mode,
@@ -164,8 +165,8 @@ class RolloutActor:
             return {}
         prompts = [list(outs[j].prompt_ids) for j in rows]
         responses = [list(outs[j].response_ids) for j in rows]
-        micro, dense = int(self.cfg.dense_micro_batch), self._dense_engine()
-        alphas = agreement(self.engine, dense, prompts, responses, params, micro)
+        micro = int(self.cfg.dense_micro_batch)
+        alphas = agreement(self.engine, prompts, responses, params, micro)
         plens = [len(p) for p in prompts]
         if KVSchedule(kv.schedule) == KVSchedule.dynamic:
             self._realized = merge([{0: self._realized},
@@ -175,7 +176,7 @@ class RolloutActor:
         if KVSchedule(kv.schedule) == KVSchedule.dynamic and (batch is None or
                                                               batch % kv.replan_every == 0):
             longest = max(plens) + self.cfg.max_new_tokens
-            table = agreement(self.engine, dense, prompts, responses, params, micro,
+            table = agreement(self.engine, prompts, responses, params, micro,
                               candidate_budgets(kv, longest))
             self._probes = merge([self._probes, {b: bin_alphas(plens, a, kv.bin_tokens)
                                                  for b, a in table.items()}])

@@ -58,7 +58,7 @@ def sequences(engine, tok, problems, samples: int, seed: int, max_new: int):
 
 def table_for(engine, dense, prompts, responses, params, budgets, width):
     plens = [len(p) for p in prompts]
-    table = agreement(engine, dense, prompts, responses, params, 16, budgets)
+    table = agreement(engine, prompts, responses, params, 16, budgets)
     return {b: bin_alphas(plens, a, width) for b, a in table.items()}
 
 
@@ -66,7 +66,7 @@ def judge(engine, dense, schedule, held, params, width, repeat: int) -> dict:
     prompts, responses = held[0], held[1]
     engine.set_budgets(schedule)
     by_bin = bin_alphas([len(p) for p in prompts],
-                        agreement(engine, dense, prompts, responses, params, 16), width)
+                        agreement(engine, prompts, responses, params, 16), width)
     stats = bin_stats(by_bin)
     worst = min(stats, key=lambda k: stats[k]["p5"])
     alphas = [x for v in by_bin.values() for x in v]

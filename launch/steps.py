@@ -290,12 +290,11 @@ def replan_schedule(pools, cfg, step: int) -> dict:
     ray.get([a.set_budgets.remote(budgets) for a in pools.rollout])
     kv.budgets = list(budgets)
     out = {"schedule/replanned": 1, "schedule/unmet_bins": len(info["unmet_bins"]),
-           "schedule/predicted_s": info["predicted_s"],
+           "schedule/predicted_cost": info["predicted_cost"],
            "schedule/cost_error_step": cost.error.get("step", 0.0),
            "schedule/cost_error_compress": cost.error.get("compress", 0.0)}
     out.update({f"schedule/budget_bin{k}": b for k, b in enumerate(budgets)})
     return out
-
 
 
 def buffer_depth(pools) -> dict:

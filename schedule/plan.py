@@ -67,7 +67,7 @@ def plan(table: dict[int, dict[int, list[float]]], cost: Callable[[int, int], fl
 
     ``realized``: {bin: alphas} of probes at the ``current`` schedule; a bin below ``threshold``
     there excludes budgets <= its current one. Returns (budgets per bin, trailing repeats dropped;
-    info: per-bin lower bounds, bins where nothing passed, predicted cost)."""
+    info: per-bin lower bounds, bins where nothing passed, the schedule's summed cost)."""
     budgets = sorted(table)
     if not budgets:
         raise ValueError("plan: empty probe table")
@@ -98,7 +98,7 @@ def plan(table: dict[int, dict[int, list[float]]], cost: Callable[[int, int], fl
     total, schedule = min(best.values(), key=lambda cs: (cs[0], cs[1]))
     while len(schedule) > 1 and schedule[-1] == schedule[-2]:
         schedule.pop()
-    return schedule, {"floor": floor, "unmet_bins": unmet, "predicted_s": total}
+    return schedule, {"floor": floor, "unmet_bins": unmet, "predicted_cost": total}
 
 
 def mean_budget(schedule: list[int], by_bin_tokens: dict[int, int]) -> float:

@@ -96,7 +96,8 @@ def test_protect_prompt_keeps_every_prompt_token(model):
 
 def test_replay_is_the_generation_path(model):
     """Teacher-forced replay at the same schedule gives back the sampler's log-probs (same kept
-    sets), and a budget above every length agrees exactly with the dense cache (alpha = 1)."""
+    sets); alpha against the dense reference equals tv_agreement of the full distributions (a
+    dense-cache replay's), and a budget above every length agrees with the dense cache (alpha 1)."""
     params = SamplingParams(max_new_tokens=20, temperature=0.8, top_k=20, seed=3)
     eng = NativeEngine(model, kv(budgets=[16, 8], bin_tokens=12))
     outs = eng.generate(PROMPTS, params)
@@ -104,13 +105,16 @@ def test_replay_is_the_generation_path(model):
     for o, d in zip(outs, eng.replay(PROMPTS, resp, params)):
         got = d.gather(-1, torch.tensor(o.response_ids)[:, None]).squeeze(-1)
         assert torch.allclose(got, torch.tensor(o.logprobs), atol=1e-5)
-    dense = NativeEngine(model, KVConfig())
-    alphas = agreement(eng, dense, PROMPTS, resp, params, micro_batch=2)
+    alphas = agreement(eng, PROMPTS, resp, params, micro_batch=2)
     assert [len(a) for a in alphas] == [len(r) for r in resp]
+    full = [tv_agreement(s, d) for s, d in zip(eng.replay(PROMPTS, resp, params),
+                                               NativeEngine(model).replay(PROMPTS, resp, params))]
+    for a, f in zip(alphas, full):
+        assert torch.allclose(torch.tensor(a), f, atol=1e-5)
     assert min(min(a) for a in alphas) < 0.999 and all(0 <= x <= 1 for a in alphas for x in a)
     eng.set_budgets([64])
     assert all(x == pytest.approx(1.0, abs=1e-6)
-               for a in agreement(eng, dense, PROMPTS, resp, params, 2) for x in a)
+               for a in agreement(eng, PROMPTS, resp, params, 2) for x in a)
 
 
 # ---- rollout actor: probes and recorded budgets -------------------------------------------------

@@ -10,7 +10,10 @@ One call to ``generate`` runs the prompts in batches of ``batch_size``. Per batc
 2. Decode: each step appends one token per row at slot ``n[b]``; a row whose cache is full
    (``n == budget + compress_every``) is first compressed to ``budget`` tokens by its KV policy, so
    compression happens every ``compress_every`` decode steps and no row stores more than
-   ``budget + compress_every`` tokens per layer. Rows that emit a stop token or reach
+   ``budget + compress_every`` tokens per layer. ``budget`` is the one of the position bin the row
+   is about to write (``rollout.kv.budgets`` per ``bin_tokens`` positions, ``set_budgets``; a
+   static budget is the one-bin case); rows in different bins compress separately, and
+   ``GenerationOutput.bin_budgets`` records the budget of every bin a sequence reached. Rows that emit a stop token or reach
    ``max_new_tokens`` leave the batch at once (the cache rows are dropped). Stop strings
    (``SamplingParams.stop``) are matched by decoding each row's tail (``stops.py``): the token that
    completes one ends the row like a stop token (kept, finish_reason "stop").
@@ -26,7 +29,8 @@ sequence had stored (all layers, K and V); ``last_stats`` has the batch's ``allo
 Transient extras not counted there: one layer's full prompt KV while a long prompt is compressed at
 prefill, and both the old and new row sets for the moment of a refill's concatenation.
 Sampling: one ``torch.Generator`` seeded from ``SamplingParams.seed`` per call, so the same prompts,
-seed and ``batch_size`` give the same samples.
+seed and ``batch_size`` give the same samples. ``replay`` runs the same loop teacher-forced over
+given responses and returns each step's full next-token log-probs (probes, ``actors/probes.py``).
 """
 from __future__ import annotations
 
@@ -124,30 +128,34 @@ class NativeEngine:
 
     @torch.no_grad()
     def replay(self, prompts: list[list[int]], responses: list[list[int]],
-               params: SamplingParams) -> list[torch.Tensor]:
+               params: SamplingParams, against=None) -> list[torch.Tensor]:
         """Teacher-forced pass through this engine's own decode path (same KV policy, schedule and
-        compressions) over given responses: per row the full next-token log-probs [len(response),
-        V] (float32, on the host) of the distribution sampling would draw from at each step
-        (temperature, top-k, top-p). Memory: rows x longest response x vocabulary floats (probes
-        call it a few rows at a time)."""
+        compressions) over given responses. Per row: the full next-token log-probs
+        [len(response), V] (float32, host) of the distribution sampling would draw from at each
+        step (temperature, top-k, top-p); with ``against`` (``.at(rows, steps) -> [R, V]``
+        log-probs of a reference, e.g. ``actors.probes.DenseReference``) only the agreement
+        sum_v min(p, p_ref) per step [len(response)]: no rows x length x vocabulary tensor."""
+        from correction.metrics import tv_agreement
+
         if any(len(r) == 0 for r in responses):
             raise ValueError("native engine: replay needs a non-empty response per row")
         forced = [torch.tensor(r, dtype=torch.long) for r in responses]
-        dists: list[list[torch.Tensor]] = [[] for _ in prompts]
+        kept: list[list[torch.Tensor]] = [[] for _ in prompts]
 
         def pick(logits, st):
-            scaled = logits.float() if params.temperature == 0 else logits.float() / params.temperature
+            scaled = logits.float() / (params.temperature or 1.0)
             logp = torch.log_softmax(truncate(scaled, params.top_k, params.top_p)
                                      if params.temperature else scaled, dim=-1)
-            ids = st.ids.tolist()
-            tok = torch.stack([forced[o][int(st.count[o])] for o in ids]).to(logits.device)
+            ids, steps = st.ids.tolist(), st.count[st.ids]
+            tok = torch.stack([forced[o][int(c)] for o, c in zip(ids, steps)]).to(logits.device)
+            out = logp if against is None else tv_agreement(logp, against.at(st.ids, steps))
             for j, o in enumerate(ids):
-                dists[o].append(logp[j].cpu())
+                kept[o].append(out[j].cpu())
             return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
         no_stop = replace(params, stop_token_ids=(), stop=())
         self._run(prompts, [len(r) for r in responses], no_stop, pick)
-        return [torch.stack(d) for d in dists]
+        return [torch.stack(d) for d in kept]
 
     def _run(self, prompts, max_new: list[int], params: SamplingParams, pick) -> list[GenerationOutput]:
         """The decode loop shared by ``generate`` and ``replay``: ``pick(logits, state)`` gives each
