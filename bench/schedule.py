@@ -90,7 +90,9 @@ def judge(engine, dense, schedule, held, params, width, repeat: int) -> dict:
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(ROOT / ".cache/models/tiny-base"))
-    ap.add_argument("--quick", action="store_true", help="fewer prompts (~3 min)")
+    ap.add_argument("--quick", action="store_true", help="16 prompts per split (~1.5 min)")
+    ap.add_argument("--prompts", type=int, default=0,
+                    help="prompts per split, 4 samples each (default 48, --quick 16)")
     ap.add_argument("--threshold", type=float, default=0.86)
     ap.add_argument("--bin-tokens", type=int, default=16)
     ap.add_argument("--compress-every", type=int, default=16)
@@ -109,7 +111,7 @@ def main(argv=None) -> list[dict]:
 
     model, tok = load_model(a.model), load_tokenizer(a.model)
     task = make_task(TaskConfig(name="running_sum"))
-    n = 16 if a.quick else 48
+    n = a.prompts or (16 if a.quick else 48)
     kv = KVConfig(policy=KVPolicy.rkv, budget=48, compress_every=a.compress_every, obs_window=8,
                   bin_tokens=a.bin_tokens, protect_prompt=a.protect_prompt)
     engine, dense = NativeEngine(model, kv, 64), NativeEngine(model, KVConfig(), 64)
