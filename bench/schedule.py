@@ -56,7 +56,7 @@ def sequences(engine, tok, problems, samples: int, seed: int, max_new: int):
     return [o.prompt_ids for o in keep], [o.response_ids for o in keep], params
 
 
-def table_for(engine, dense, prompts, responses, params, budgets, width):
+def table_for(engine, prompts, responses, params, budgets, width):
     plens = [len(p) for p in prompts]
     table = agreement(engine, prompts, responses, params, 16, budgets)
     return {b: bin_alphas(plens, a, width) for b, a in table.items()}
@@ -85,6 +85,49 @@ def judge(engine, dense, schedule, held, params, width, repeat: int) -> dict:
             "tok_per_s_vs_dense": speed["sparse"] / speed["dense"],
             "agreement_p5_min_bin": stats[worst]["p5"], "agreement_mean": sum(alphas) / len(alphas),
             "worst_bin": worst, "per_bin": {k: round(v["p5"], 4) for k, v in stats.items()}}
+
+
+def pick(table, budgets: list[int], cost, a) -> dict[str, list[int]]:
+    """The schedules to judge: the smallest single budget passing every bin of the calibration
+    table, and ``schedule.plan.plan`` with each objective."""
+    passing = [b for b in budgets if all(s["p5"] >= a.threshold for s in bin_stats(table[b]).values())]
+    plans = {"static": [passing[0] if passing else budgets[-1]]}
+    counts = {k: len(v) for k, v in table[budgets[0]].items()}
+    for objective in ("speed", "memory"):
+        per_bin = bin_cost(objective, cost, a.bin_tokens, a.compress_every, 64, counts)
+        plans[f"dynamic-{objective}"], info = plan(table, per_bin, a.threshold)
+        print(f"[schedule] dynamic ({objective}): {plans[f'dynamic-{objective}']} "
+              f"(unmet bins {info['unmet_bins']})")
+    print(f"[schedule] cost model held-out error: step {cost.error['step']:.3f}, compress "
+          f"{cost.error['compress']:.3f}; static {plans['static']} (passing: {passing})")
+    return plans
+
+
+def verdicts(rows: list[dict], threshold: float) -> None:
+    """``passes`` per row; the bar per dynamic row: it passes held-out at a smaller mean budget
+    than the best static row that passes."""
+    for r in rows:
+        r["passes"] = r["agreement_p5_min_bin"] >= threshold
+    ref = min((r["mean_budget"] for r in rows if r["schedule"].startswith("static") and
+               r["passes"]), default=None)
+    for r in rows:
+        if r["schedule"].startswith("dynamic"):
+            bar = r["passes"] and ref is not None and r["mean_budget"] < ref
+            print(f"[schedule] bar {r['schedule']}: held-out min-bin p5 "
+                  f"{r['agreement_p5_min_bin']:.3f} (>= {threshold}: {r['passes']}), mean budget "
+                  f"{r['mean_budget']:.1f} vs best passing static {ref}: "
+                  f"{'PASS' if bar else 'FAIL'}")
+
+
+def report(rows: list[dict], a, cost) -> None:
+    print("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
+    for r in rows:
+        print("| " + " | ".join(_fmt(r.get(c, r.get("missing", "-") if c == "budgets" else "-"))
+                                for c in COLUMNS) + " |")
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps({"rows": rows, "threshold": a.threshold,
+                                            "cost_error": cost.error, "argv": sys.argv}, indent=1))
 
 
 def main(argv=None) -> list[dict]:
@@ -120,58 +163,31 @@ def main(argv=None) -> list[dict]:
     params = calib[2]
     budgets = [int(b) for b in a.budgets.split(",")] if a.budgets else list(range(16, 97, 8))
     t0 = time.time()
-    table = table_for(engine, dense, calib[0], calib[1], params, budgets, a.bin_tokens)
+    table = table_for(engine, calib[0], calib[1], params, budgets, a.bin_tokens)
     print(f"[schedule] probe table: {len(budgets)} budgets x {len(calib[0])} sequences "
           f"in {time.time() - t0:.0f} s")
     for b in budgets:
         stats = bin_stats(table[b])
         print(f"  budget {b:3d}: " + " ".join(f"bin{k} p5={s['p5']:.3f}" for k, s in stats.items()))
-    passing = [b for b in budgets if all(s["p5"] >= a.threshold for s in bin_stats(table[b]).values())]
-    static = [passing[0] if passing else budgets[-1]]
     cost = load_or_measure(engine, a.model, ROOT / ".cache/cost_models")
-    counts = {k: len(v) for k, v in table[budgets[0]].items()}
-    plans = {"static": static}
-    for objective in ("speed", "memory"):
-        per_bin = bin_cost(objective, cost, a.bin_tokens, a.compress_every, 64, counts)
-        plans[f"dynamic-{objective}"], info = plan(table, per_bin, a.threshold)
-        print(f"[schedule] dynamic ({objective}): {plans[f'dynamic-{objective}']} "
-              f"(unmet bins {info['unmet_bins']})")
-    print(f"[schedule] cost model held-out error: step {cost.error['step']:.3f}, compress "
-          f"{cost.error['compress']:.3f}; static {static} (passing: {passing})")
+    plans = pick(table, budgets, cost, a)
     rows = []
     for name, sched in plans.items():
         rows.append({"schedule": name, "distill": False,
                      **judge(engine, dense, sched, held, params, a.bin_tokens, a.repeat)})
     # the bar's reference: the smallest single budget that passes on the held-out prompts
-    held_table = table_for(engine, dense, held[0], held[1], params, budgets, a.bin_tokens)
+    held_table = table_for(engine, held[0], held[1], params, budgets, a.bin_tokens)
     held_ok = [b for b in budgets
                if all(s["p5"] >= a.threshold for s in bin_stats(held_table[b]).values())]
     best = held_ok[0] if held_ok else None
     if best is not None and best not in [r["budgets"] for r in rows]:
         rows.append({"schedule": "static-heldout-best", "distill": False,
                      **judge(engine, dense, [best], held, params, a.bin_tokens, a.repeat)})
-    for r in rows:
-        r["passes"] = r["agreement_p5_min_bin"] >= a.threshold
-    ref = min((r["mean_budget"] for r in rows if r["schedule"].startswith("static") and
-               r["passes"]), default=None)
-    for r in rows:
-        if r["schedule"].startswith("dynamic"):
-            bar = r["passes"] and ref is not None and r["mean_budget"] < ref
-            print(f"[schedule] bar {r['schedule']}: held-out min-bin p5 "
-                  f"{r['agreement_p5_min_bin']:.3f} (>= {a.threshold}: {r['passes']}), mean budget "
-                  f"{r['mean_budget']:.1f} vs best passing static {ref}: "
-                  f"{'PASS' if bar else 'FAIL'}")
+    verdicts(rows, a.threshold)
     for name in plans:   # DistillSparse (an adapter on the sampler) is another branch's work
         rows.append({"schedule": name, "distill": True, "missing": "no DistillSparse adapter "
                      "(--adapter; rollout.distill_sparse is another engineer's branch)"})
-    print("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
-    for r in rows:
-        print("| " + " | ".join(_fmt(r.get(c, r.get("missing", "-") if c == "budgets" else "-"))
-                                for c in COLUMNS) + " |")
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({"rows": rows, "threshold": a.threshold,
-                                            "cost_error": cost.error, "argv": sys.argv}, indent=1))
+    report(rows, a, cost)
     return rows
 
 
