@@ -41,7 +41,7 @@ from actors.engine import SamplingParams  # noqa: E402
 from actors.native import NativeEngine  # noqa: E402
 from actors.probes import agreement  # noqa: E402
 from schedule.cost import bin_cost, load_or_measure  # noqa: E402
-from schedule.plan import bin_alphas, bin_stats, mean_budget, plan  # noqa: E402
+from schedule.plan import bin_alphas, bin_stats, mean_budget, plan, pooled  # noqa: E402
 
 COLUMNS = ("schedule", "distill", "budgets", "mean_budget", "kv_bytes_vs_dense",
            "tok_per_s_vs_dense", "agreement_p5_min_bin", "agreement_mean", "worst_bin", "passes")
@@ -68,7 +68,8 @@ def judge(engine, dense, schedule, held, params, width, repeat: int) -> dict:
     by_bin = bin_alphas([len(p) for p in prompts],
                         agreement(engine, prompts, responses, params, 16), width)
     stats = bin_stats(by_bin)
-    worst = min(stats, key=lambda k: stats[k]["p5"])
+    judged = bin_stats(pooled(by_bin)[0])   # bins of too few tokens join the bin before them
+    worst = min(judged, key=lambda k: judged[k]["p5"])
     alphas = [x for v in by_bin.values() for x in v]
     speed, kv = {}, {}
     for name, eng in (("dense", dense), ("sparse", engine)):
@@ -83,14 +84,19 @@ def judge(engine, dense, schedule, held, params, width, repeat: int) -> dict:
             "mean_budget": mean_budget(schedule, {k: len(v) for k, v in by_bin.items()}),
             "kv_bytes_vs_dense": kv["sparse"] / kv["dense"],
             "tok_per_s_vs_dense": speed["sparse"] / speed["dense"],
-            "agreement_p5_min_bin": stats[worst]["p5"], "agreement_mean": sum(alphas) / len(alphas),
+            "agreement_p5_min_bin": judged[worst]["p5"], "agreement_mean": sum(alphas) / len(alphas),
             "worst_bin": worst, "per_bin": {k: round(v["p5"], 4) for k, v in stats.items()}}
+
+
+def passes(by_bin: dict, threshold: float) -> bool:
+    """Every bin's p5 >= threshold (bins of too few tokens pooled, ``schedule.plan.pooled``)."""
+    return all(s["p5"] >= threshold for s in bin_stats(pooled(by_bin)[0]).values())
 
 
 def pick(table, budgets: list[int], cost, a) -> dict[str, list[int]]:
     """The schedules to judge: the smallest single budget passing every bin of the calibration
     table, and ``schedule.plan.plan`` with each objective."""
-    passing = [b for b in budgets if all(s["p5"] >= a.threshold for s in bin_stats(table[b]).values())]
+    passing = [b for b in budgets if passes(table[b], a.threshold)]
     plans = {"static": [passing[0] if passing else budgets[-1]]}
     counts = {k: len(v) for k, v in table[budgets[0]].items()}
     for objective in ("speed", "memory"):
@@ -177,8 +183,7 @@ def main(argv=None) -> list[dict]:
                      **judge(engine, dense, sched, held, params, a.bin_tokens, a.repeat)})
     # the bar's reference: the smallest single budget that passes on the held-out prompts
     held_table = table_for(engine, held[0], held[1], params, budgets, a.bin_tokens)
-    held_ok = [b for b in budgets
-               if all(s["p5"] >= a.threshold for s in bin_stats(held_table[b]).values())]
+    held_ok = [b for b in budgets if passes(held_table[b], a.threshold)]
     best = held_ok[0] if held_ok else None
     if best is not None and best not in [r["budgets"] for r in rows]:
         rows.append({"schedule": "static-heldout-best", "distill": False,

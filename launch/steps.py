@@ -238,9 +238,9 @@ def kv_schedule_metrics(batch, width: int) -> dict:
     budget in force at each response token's position, averaged over tokens; from probe rows
     (``kv_agreement``) the exact agreement per position bin, ``mismatch/agreement_p5/bin<k>`` and
     ``mismatch/agreement_mean/bin<k>``, and ``mismatch/probe_agreement_p5_min_bin`` (Sparrow's
-    stability statistic: the worst bin) with ``mismatch/probe_agreement_mean``. ``width``:
+    stability statistic: the worst bin, bins of few tokens pooled as ``schedule.plan.pooled``) with ``mismatch/probe_agreement_mean``. ``width``:
     ``rollout.kv.bin_tokens``."""
-    from schedule.plan import bin_alphas, bin_stats
+    from schedule.plan import bin_alphas, bin_stats, pooled
 
     names = batch.schema.names
     if "kv_bin_budgets" not in names:
@@ -253,11 +253,13 @@ def kv_schedule_metrics(batch, width: int) -> dict:
         out["rollout/kv_budget_mean"] = sum(tok) / max(1, len(tok))
     probes = [(p, a) for p, a in zip(plens, batch.column("kv_agreement").to_pylist()) if a]
     if probes and width:
-        stats = bin_stats(bin_alphas([p for p, _ in probes], [a for _, a in probes], width))
-        for k, st in stats.items():
+        by_bin = bin_alphas([p for p, _ in probes], [a for _, a in probes], width)
+        for k, st in bin_stats(by_bin).items():
             out[f"mismatch/agreement_p5/bin{k}"] = st["p5"]
             out[f"mismatch/agreement_mean/bin{k}"] = st["mean"]
-        out["mismatch/probe_agreement_p5_min_bin"] = min(st["p5"] for st in stats.values())
+        # bins with too few tokens for a 5th percentile are judged with the bin before them
+        out["mismatch/probe_agreement_p5_min_bin"] = min(
+            st["p5"] for st in bin_stats(pooled(by_bin)[0]).values())
         alphas = [x for _, a in probes for x in a]
         out["mismatch/probe_agreement_mean"] = sum(alphas) / len(alphas)
     return out

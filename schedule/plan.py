@@ -23,7 +23,30 @@ from collections.abc import Callable
 
 import torch
 
-from correction.metrics import sparrow_tail
+from correction.metrics import SPARROW_QUANTILE, sparrow_tail
+
+
+# A 5th percentile of fewer than 1/0.05 values is just their minimum: a bin with fewer probe
+# tokens (the long tail of lengths) is pooled with the bin before it (``pooled``).
+MIN_BIN_TOKENS = round(1 / SPARROW_QUANTILE)
+
+
+def pooled(by_bin: dict[int, list[float]], min_tokens: int = MIN_BIN_TOKENS
+           ) -> tuple[dict[int, list[float]], dict[int, int]]:
+    """Bins with fewer than ``min_tokens`` alphas joined to the nearest earlier bin that keeps its
+    own (the first bins stay as they are until one has enough). Returns (pooled alphas by bin,
+    {merged bin: the bin it joined})."""
+    out: dict[int, list[float]] = {}
+    joined: dict[int, int] = {}
+    last = None
+    for k in sorted(by_bin):
+        if len(by_bin[k]) < min_tokens and last is not None:
+            out[last] = out[last] + list(by_bin[k])
+            joined[k] = last
+        else:
+            out[k] = list(by_bin[k])
+            last = k
+    return out, joined
 
 
 def p5(alphas: list[float]) -> float:
@@ -66,23 +89,30 @@ def plan(table: dict[int, dict[int, list[float]]], cost: Callable[[int, int], fl
     """The cheapest non-increasing budget per bin whose probe p5 passes every probed bin.
 
     ``realized``: {bin: alphas} of probes at the ``current`` schedule; a bin below ``threshold``
-    there excludes budgets <= its current one. Returns (budgets per bin, trailing repeats dropped;
-    info: per-bin lower bounds, bins where nothing passed, the schedule's summed cost)."""
+    there excludes budgets <= its current one. Bins with fewer than ``MIN_BIN_TOKENS`` alphas are
+    judged pooled with the bin before them and get at least that bin's budget. Returns (budgets
+    per bin, trailing repeats dropped; info: per-bin lower bounds, bins where nothing passed, the
+    schedule's summed cost)."""
     budgets = sorted(table)
     if not budgets:
         raise ValueError("plan: empty probe table")
+    nbins = max(k for cells in table.values() for k in cells) + 1
+    joined = pooled(table[budgets[0]])[1]   # every budget replays the same probe tokens
+    table = {b: pooled(cells)[0] for b, cells in table.items()}
+    realized, rjoined = pooled(realized or {})
     bins = sorted({k for cells in table.values() for k in cells})
-    nbins = bins[-1] + 1
     need = threshold + margin
     floor = {}
     for k in bins:
         ok = [b for b in budgets if k in table[b] and p5(table[b][k]) >= need]
-        if realized and current is not None and k in realized and p5(realized[k]) < threshold:
+        if current is not None and k in realized and p5(realized[k]) < threshold:
             now = current[min(k, len(current) - 1)]
             ok = [b for b in ok if b > now]
         floor[k] = ok[0] if ok else budgets[-1]
     unmet = [k for k in bins if floor[k] == budgets[-1] and
              not p5(table[budgets[-1]].get(k, [1.0])) >= need]
+    for k, target in (joined | rjoined).items():   # a pooled bin is certified with its target
+        floor[k] = max(floor.get(k, budgets[0]), floor.get(target, budgets[0]))
     # best[b] = (cost of bins k.. with budget b in bin k, their budgets); from the last bin down
     best: dict[int, tuple[float, list[int]]] = {}
     for k in range(nbins - 1, -1, -1):

@@ -16,7 +16,7 @@ from common.modeling import load_model
 from common.testmodels import build_model
 from correction.metrics import tv_agreement
 from schedule import cost as costmod
-from schedule.plan import bin_alphas, mean_budget, plan
+from schedule.plan import bin_alphas, mean_budget, plan, pooled
 from tasks.base import Problem
 
 torch.set_num_threads(1)
@@ -198,6 +198,19 @@ def test_scheduler_feedback_and_unmet_bins():
     table = {8: {0: [0.1] * 10}, 16: {0: [0.5] * 10}}
     budgets, info = plan(table, linear_cost, 0.86)
     assert budgets == [16] and info["unmet_bins"] == [0]    # nothing passes: the largest
+
+
+def test_sparse_tail_bins_are_pooled_with_the_bin_before():
+    """Bin 3, a tail of three tokens, passes at 8 on its own (its 'p5' is its minimum); pooled
+    with bin 2 it is judged with bin 2's tokens and keeps at least bin 2's budget."""
+    t = _table()
+    for b in t:
+        t[b][3] = [0.99] * 3
+    budgets, info = plan(t, linear_cost, 0.86)
+    assert budgets == [24, 24, 16] and info["floor"][3] == 16
+    pooled_bins, joined = pooled({0: [1.0] * 25, 1: [0.9] * 5, 2: [0.5] * 30, 3: [0.1]})
+    assert joined == {1: 0, 3: 2} and sorted(pooled_bins) == [0, 2]
+    assert len(pooled_bins[0]) == 30 and len(pooled_bins[2]) == 31
 
 
 def test_bin_alphas_and_mean_budget():
