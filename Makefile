@@ -9,7 +9,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 export RAY_AUTH_MODE := disabled
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv vllm train test test-gpu model bench compare clean lock lock-gpu
+.PHONY: venv vllm train test test-gpu model bench compare schedule clean lock lock-gpu
 
 venv: $(STAMP)
 
@@ -52,6 +52,10 @@ bench: $(STAMP)
 # (15 runs: 33 min on 2 cores, measured; README). CI: `make compare ARGS="--quick --model DIR"` (1 seed, 2 steps).
 compare: model
 	$(PY) bench/compare.py $(ARGS)
+
+# Dynamic KV budget schedule vs the best static budget (bench/schedule.py, issue 14): --quick ~1.5 min.
+schedule: model
+	$(PY) bench/schedule.py --quick $(ARGS)
 
 lock: $(STAMP)
 	$(PY) -m pip freeze --exclude-editable | grep -v '^-e' > requirements.lock

@@ -27,6 +27,16 @@ class KVPolicy(str, enum.Enum):
     rkv = "rkv"               # importance + redundancy from key similarity (Cai et al. 2025)
 
 
+class KVSchedule(str, enum.Enum):
+    static = "static"     # the budgets stay as configured (rollout.kv.budget, or kv.budgets per bin)
+    dynamic = "dynamic"   # budgets per bin re-planned from probes and a cost model (schedule/)
+
+
+class KVObjective(str, enum.Enum):
+    speed = "speed"     # least predicted decode time (the engine's measured cost model)
+    memory = "memory"   # fewest KV slots held per generated token
+
+
 class LogprobMode(str, enum.Enum):
     processed = "processed"   # log-prob of the distribution sampled from (after top-k / top-p)
     raw = "raw"               # log_softmax(logits / temperature), no truncation
@@ -62,9 +72,35 @@ class KVConfig:
     obs_window: int = 8            # snapkv / rkv: last queries whose attention scores the keys
     pool_kernel: int = 7           # snapkv / rkv: 1-D pooling kernel over attention scores (odd)
     rkv_lambda: float = 0.1        # rkv: score = lambda * importance - (1 - lambda) * redundancy
+    # Budget schedule (Sparrow): static keeps the configured budgets; dynamic re-plans them every
+    # replan_every steps (the cheapest budgets whose probe agreement p5 stays >= threshold +
+    # margin in every position bin; schedule/plan.py).
+    schedule: KVSchedule = KVSchedule.static
+    # Positions (prompt included) per bin; a row compresses to the budget of the bin of the next
+    # position it writes.
+    bin_tokens: int = 16
+    # Budget of each bin, the last also for every later position; empty: ``budget`` everywhere
+    # (dynamic: the starting schedule; the driver keeps the current one here).
+    budgets: list[int] = field(default_factory=list)
+    # Share of each rollout call's sequences replayed teacher-forced with a dense cache: exact
+    # per-token agreement 1 - TV (row column ``kv_agreement``, per-bin metrics); dynamic: also at
+    # each of probe_budgets, the re-planner's table.
+    probe_share: float = 0.0
+    # Budgets probes are replayed at (dynamic); empty: every half bin up to the longest sequence.
+    probe_budgets: list[int] = field(default_factory=list)
+    threshold: float = 0.86         # min per-bin p5 of probe agreement (Sparrow: 0.85-0.90 stable)
+    margin: float = 0.0             # added to threshold when planning (probes are a sample)
+    replan_every: int = 5           # training steps between re-plans (dynamic)
+    protect_prompt: bool = False    # compression never evicts prompt tokens (they count in budget)
+    objective: KVObjective = KVObjective.speed   # what the re-planner minimises (dynamic)
 
     def __post_init__(self) -> None:
-        _coerce(self, "rollout.kv", {"policy": KVPolicy})
+        _coerce(self, "rollout.kv", {"policy": KVPolicy, "schedule": KVSchedule,
+                                     "objective": KVObjective})
+
+    def bin_budgets(self) -> list[int]:
+        """The configured budget of each bin (``budgets``, else ``[budget]``)."""
+        return [int(b) for b in self.budgets] or [int(self.budget)]
 
     def validate(self, prefix: str = "rollout.kv") -> None:
         _enum(f"{prefix}.policy", KVPolicy, self.policy)
@@ -78,12 +114,38 @@ class KVConfig:
             raise ConfigError(f"{prefix}.pool_kernel", self.pool_kernel, "an odd integer >= 1")
         check_range(f"{prefix}.rkv_lambda", self.rkv_lambda, lo=0.0, hi=1.0)
         policy = _enum(f"{prefix}.policy", KVPolicy, self.policy)
-        if policy == KVPolicy.streaming and self.sink_tokens >= self.budget:
+        self._validate_schedule(prefix, policy)
+        smallest = min(self.bin_budgets() + [int(b) for b in self.probe_budgets])
+        if policy == KVPolicy.streaming and self.sink_tokens >= smallest:
             raise ConfigError(f"{prefix}.sink_tokens", self.sink_tokens,
-                              f"fewer than rollout budget ({self.budget}) tokens")
-        if policy in (KVPolicy.snapkv, KVPolicy.rkv) and self.obs_window > self.budget:
+                              f"fewer than the smallest budget ({smallest}) tokens")
+        if policy in (KVPolicy.snapkv, KVPolicy.rkv) and self.obs_window > smallest:
             raise ConfigError(f"{prefix}.obs_window", self.obs_window,
-                              f"at most the budget ({self.budget}) tokens")
+                              f"at most the smallest budget ({smallest}) tokens")
+
+    def _validate_schedule(self, prefix: str, policy: KVPolicy) -> None:
+        schedule = _enum(f"{prefix}.schedule", KVSchedule, self.schedule)
+        check_range(f"{prefix}.bin_tokens", self.bin_tokens, lo=1)
+        for key in ("budgets", "probe_budgets"):
+            value = getattr(self, key)
+            if not isinstance(value, (list, tuple)) or not all(
+                    isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in value):
+                raise ConfigError(f"{prefix}.{key}", value, "a list of integers >= 1")
+        check_range(f"{prefix}.probe_share", self.probe_share, lo=0.0, hi=1.0)
+        check_range(f"{prefix}.threshold", self.threshold, lo=0.0, hi=1.0, lo_open=True)
+        check_range(f"{prefix}.margin", self.margin, lo=0.0, hi=1.0)
+        check_range(f"{prefix}.replan_every", self.replan_every, lo=1)
+        _enum(f"{prefix}.objective", KVObjective, self.objective)
+        if policy == KVPolicy.dense and self.probe_share > 0:
+            raise ConfigError(f"{prefix}.probe_share", self.probe_share,
+                              f"0 with {prefix}.policy=dense (a dense cache agrees exactly)")
+        if schedule == KVSchedule.dynamic:
+            if policy == KVPolicy.dense:
+                raise ConfigError(f"{prefix}.schedule", schedule.value,
+                                  f"static with {prefix}.policy=dense (nothing to schedule)")
+            if self.probe_share <= 0:
+                raise ConfigError(f"{prefix}.probe_share", self.probe_share,
+                                  f"> 0 with {prefix}.schedule=dynamic (re-planning needs probes)")
 
 
 def longest_prompt(cfg) -> int:
@@ -213,6 +275,13 @@ class RolloutConfig:
                 raise ConfigError(f"{prefix}.dense_logprobs", self.dense_logprobs,
                                   f"false with {prefix}.engine=vllm (dense sampler log-probs "
                                   "need the native engine)")
+            kv = self.kv
+            for key, off in (("schedule", KVSchedule(kv.schedule) == KVSchedule.static),
+                             ("budgets", not kv.budgets), ("probe_share", kv.probe_share == 0),
+                             ("protect_prompt", not kv.protect_prompt)):
+                if not off:  # per-bin budgets, probes and prompt protection are the native engine's
+                    raise ConfigError(f"{prefix}.kv.{key}", getattr(kv, key),
+                                      f"its default with {prefix}.engine=vllm (native engine only)")
             # Refuse score-based policies at config load, not minutes later in an actor.
             from actors.vllm.kv import check_policy  # imports no vLLM
 

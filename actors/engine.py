@@ -45,6 +45,9 @@ class GenerationOutput:
     kept_ratio: float             # mean over decode steps of kept / seen tokens (1.0 for dense)
     peak_kv_bytes: int            # most KV bytes stored for this sequence (all layers, K and V)
     trace: list = field(default_factory=list, repr=False)  # compression events when traced
+    # budget in force in each position bin the sequence reached (rollout.kv.bin_tokens; native
+    # compressing engine only, else empty)
+    bin_budgets: list = field(default_factory=list)
 
 
 class Engine(Protocol):

@@ -53,6 +53,7 @@ class RolloutActor(ReceivesWeights):
         self._label = f"rollout actor {actor_id}"
         self._calls = 0
         self._dense = None
+        self._probes, self._realized, self._cost = {}, {}, None   # dynamic KV schedule
 
     # ---- generation ------------------------------------------------------------------------------
     def _params(self, greedy: bool, batch: int | None = None) -> SamplingParams:
@@ -129,6 +130,7 @@ class RolloutActor(ReceivesWeights):
         tag = f"b{batch}" if batch is not None else f"c{self._calls - 1}"
         dense = self._dense_sampler_logprobs(outs) if self.cfg.dense_logprobs else None
         rewards = self._rewards(outs, [problems[j // g].answer for j in range(len(outs))])
+        agreement = self._probe(outs, params, batch)   # {row: alpha per token}, probe rows
         rows = []
         for j, (out, (reward, fault)) in enumerate(zip(outs, rewards)):
             prob = problems[j // g]
@@ -137,15 +139,74 @@ class RolloutActor(ReceivesWeights):
                 "sample_id": f"{group}-s{j % g}", "group_id": group, "prompt_idx": int(prob.idx),
                 "prompt_ids": list(out.prompt_ids), "response_ids": list(out.response_ids),
                 "sampler_logprobs": [float(x) for x in out.logprobs], "reward": reward,
-                "policy_version": int(version), "kv_policy": policy, "kv_budget": budget,
+                "policy_version": int(version), "kv_policy": policy,
+                "kv_budget": max(out.bin_budgets, default=budget),   # the largest in force
                 "kept_ratio": float(out.kept_ratio), "prompt_len": len(out.prompt_ids),
                 "response_len": len(out.response_ids), "finish_reason": out.finish_reason,
                 "gen_time_s": elapsed / max(1, len(outs)), "logprob_mode": params.logprob_mode,
                 "peak_kv_bytes": int(out.peak_kv_bytes), "reward_fault": fault,
+                "kv_bin_budgets": list(out.bin_budgets) or None, "kv_agreement": agreement.get(j),
             })
             if dense is not None:
                 rows[-1]["dense_sampler_logprobs"] = dense[j]
         return rows
+
+    # ---- KV budget schedule (issue 14) -------------------------------------------------------
+    def _probe(self, outs, params, batch: int | None) -> dict[int, list[float]]:
+        """Probe rows (``rollout.kv.probe_share``): exact alpha per response token at the schedule
+        in use; with ``schedule=dynamic`` also the candidate-budget table, kept until the driver
+        takes it (``take_probes``)."""
+        from actors.config import KVSchedule
+        from actors.probes import agreement, candidate_budgets, probe_rows
+        from schedule.plan import bin_alphas, merge
+
+        kv = self.cfg.kv
+        rows = [j for j in probe_rows(len(outs), kv.probe_share) if outs[j].response_ids]
+        if not rows:
+            return {}
+        prompts = [list(outs[j].prompt_ids) for j in rows]
+        responses = [list(outs[j].response_ids) for j in rows]
+        micro = int(self.cfg.dense_micro_batch)
+        alphas = agreement(self.engine, prompts, responses, params, micro)
+        plens = [len(p) for p in prompts]
+        if KVSchedule(kv.schedule) == KVSchedule.dynamic:
+            self._realized = merge([{0: self._realized},
+                                    {0: bin_alphas(plens, alphas, kv.bin_tokens)}])[0]
+        # the candidate table only for batches the re-plan right after them reads (step k
+        # trains batch k; re-plans at multiples of replan_every): the table is most of the cost
+        if KVSchedule(kv.schedule) == KVSchedule.dynamic and (batch is None or
+                                                              batch % kv.replan_every == 0):
+            longest = max(plens) + self.cfg.max_new_tokens
+            table = agreement(self.engine, prompts, responses, params, micro,
+                              candidate_budgets(kv, longest))
+            self._probes = merge([self._probes, {b: bin_alphas(plens, a, kv.bin_tokens)
+                                                 for b, a in table.items()}])
+        return dict(zip(rows, alphas))
+
+    def take_probes(self) -> dict:
+        """The probe table gathered since the last call ({budget: {bin: alphas}}), the realised
+        alphas per bin at the schedule in use, and that schedule; then forgets them."""
+        out = {"table": self._probes, "realized": self._realized,
+               "budgets": list(self.engine.budgets)}
+        self._probes, self._realized = {}, {}
+        return out
+
+    def set_budgets(self, budgets: list[int]) -> None:
+        """The KV budget per position bin from the next rollout on (the driver's re-plan)."""
+        self.engine.set_budgets(budgets)
+
+    def kv_cost_model(self, cache_dir: str | None = None) -> dict:
+        """The engine's decode cost model (``schedule.cost``), measured once per model and
+        machine and cached under ``cache_dir`` (default: the repository's ``.cache/cost_models``)."""
+        from dataclasses import asdict
+        from pathlib import Path
+
+        from schedule.cost import load_or_measure
+
+        if self._cost is None:
+            cache = cache_dir or Path(__file__).resolve().parents[1] / ".cache" / "cost_models"
+            self._cost = asdict(load_or_measure(self.engine, self.model_path, cache))
+        return self._cost
 
     def _dense_sampler_logprobs(self, outs) -> list[list[float]]:
         """pi_dense^v: teacher-forced dense log-probs of each response under the weights that just

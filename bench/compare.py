@@ -15,7 +15,10 @@ with a dense cache (``acc_dense_decode``) and with R-KV at the row's budget (``a
 the paper's claim that sparse training makes the model robust to sparse inference, measured for
 the dense-trained model too; the base model the same way (``acc_base``, ``acc_base_sparse``).
 ``kv_bytes_vs_dense``: peak KV bytes per sequence of the arm's rollout policy over a dense cache on
-those problems; ``rollout_s_vs_dense``: engine seconds generating a step's rollouts
+those problems (R-KV at the row's single budget); ``rollout_kv_vs_dense``: the rollouts' own peak
+KV bytes per sequence during training (``rollout/kv_bytes_per_seq``, the dynamic schedule's
+budgets) over the dense arm's; ``kv_budget_mean``: budget in force per response token;
+``probe_p5_min_bin``: the worst position bin's probe agreement p5 (arms with probes); ``rollout_s_vs_dense``: engine seconds generating a step's rollouts
 (``time/rollout_gen_s``), mean over steps, over the dense arm's with the same seed.
 
 Writes ``<out>/compare-<time>/``: ``compare.json`` (rows + missing arms + command + wall time),
@@ -59,7 +62,8 @@ ARMS = (
     Arm("sparse_rl", ("rollout.kv.policy=rkv", "rollout.kv.budget={budget}",
                       "correction.method=sparse_rl")),
     Arm("sparse_rl_dynamic", ("rollout.kv.policy=rkv", "rollout.kv.budget={budget}",
-                              "correction.method=sparse_rl", "rollout.kv.schedule=dynamic"),
+                              "correction.method=sparse_rl", "rollout.kv.schedule=dynamic",
+                              "rollout.kv.probe_share=0.125"),
         requires="rollout.kv.schedule"),
     Arm("distill_sparse", ("rollout.kv.policy=rkv", "rollout.kv.budget={budget}",
                            "correction.method=sparse_rl", "correction.distill.enabled=true"),
@@ -123,8 +127,9 @@ def train(job: dict, common: list[str], runs_dir: Path, log_dir: Path) -> dict:
 def rows_for(jobs: list[dict], budgets: list[int], model: Path) -> list[dict]:
     """One row per (arm, budget, seed) with the accuracies decoded dense and sparse."""
     base = {b: decode_accuracy(model, _any_run(jobs), b) for b in budgets}
-    dense_roll = {j["seed"]: run_stats(Path(j["run_dir"]))["rollout_s"]
-                  for j in jobs if j["arm"] == "dense" and j["run_dir"]}
+    dense_stats = {j["seed"]: run_stats(Path(j["run_dir"]))
+                   for j in jobs if j["arm"] == "dense" and j["run_dir"]}
+    dense_roll = {s: st["rollout_s"] for s, st in dense_stats.items()}
     rows = []
     for job in jobs:
         if not job["run_dir"]:
@@ -141,8 +146,17 @@ def rows_for(jobs: list[dict], budgets: list[int], model: Path) -> list[dict]:
                 "acc_base": base[budget]["dense"], "acc_base_sparse": base[budget]["sparse"],
                 **{k: v for k, v in stats.items() if k != "rollout_s"},
                 "kv_bytes_vs_dense": kv,
-                "rollout_s_vs_dense": stats["rollout_s"] / ref if ref else None})
+                "rollout_s_vs_dense": stats["rollout_s"] / ref if ref else None,
+                "rollout_kv_vs_dense": _ratio(stats, dense_stats.get(job["seed"]),
+                                              "rollout_kv_bytes")})
     return rows
+
+
+def _ratio(stats: dict, ref: dict | None, key: str) -> float | None:
+    """stats[key] over the dense run's (same seed), when both were measured."""
+    if not ref or not stats.get(key) or not ref.get(key):
+        return None
+    return stats[key] / ref[key]
 
 
 def _any_run(jobs: list[dict]) -> Path:
@@ -161,6 +175,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--model", type=Path, default=REPO / ".cache/models/tiny-base")
     ap.add_argument("--out", type=Path, default=REPO / "runs")
     ap.add_argument("--parallel", type=int, default=1, help="runs at once (a cluster; default 1)")
+    ap.add_argument("--arms", default=None,
+                    help="arms to run, comma-separated (default: all; the dense arm is the "
+                         "reference of the rollout-time and KV ratios)")
     ap.add_argument("overrides", nargs="*", help="key=value for every run (after --)")
     args = ap.parse_args(argv)
     quick = args.quick
@@ -172,6 +189,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
         args.eval_every = 1 if quick else 5
     if args.parallel < 1 or any(b < 1 for b in args.budgets) or not args.seeds:
         ap.error("--parallel and --budgets must be >= 1, and --seeds non-empty")
+    names = [a.name for a in ARMS]
+    args.arms = args.arms.split(",") if args.arms else names
+    if not args.arms or set(args.arms) - set(names):
+        ap.error(f"--arms: names from {names}")
     return args
 
 
@@ -184,7 +205,7 @@ def main(argv: list[str]) -> int:
               "run.checkpoint_every=0", *(QUICK if args.quick else ()), *args.overrides]
     if args.steps is not None:
         common.append(f"run.steps={args.steps}")
-    jobs, missing = plan(ARMS, args.budgets, args.seeds)
+    jobs, missing = plan([a for a in ARMS if a.name in args.arms], args.budgets, args.seeds)
     for m in missing:
         print(f"[compare] arm {m['arm']} missing: {m['reason']}", flush=True)
     with ThreadPoolExecutor(args.parallel) as pool:
@@ -204,7 +225,7 @@ def main(argv: list[str]) -> int:
     print((out / "compare.md").read_text())
     print(f"[compare] {out} ({wall:.0f} s)")
     ran = {r["arm"] for r in rows}
-    expected = {a.name for a in ARMS} - {m["arm"] for m in missing}
+    expected = set(args.arms) - {m["arm"] for m in missing}
     if failed or ran != expected:
         print(f"[compare] arms without results: {sorted(expected - ran)}; failed: {failed}",
               file=sys.stderr)

@@ -11,11 +11,15 @@ STATS = (("reward_last", "reward", "last"), ("agreement_mean", "mismatch/agreeme
          ("agreement_p5", "mismatch/agreement_p5", "mean"), ("k3", "mismatch/k3", "mean"),
          ("frac_rejected", "correction/frac_rejected", "mean"),
          ("frac_vetoed", "correction/frac_vetoed", "mean"),
-         ("rollout_s", "time/rollout_gen_s", "mean"))
+         ("rollout_s", "time/rollout_gen_s", "mean"),
+         ("rollout_kv_bytes", "rollout/kv_bytes_per_seq", "mean"),
+         ("kv_budget_mean", "rollout/kv_budget_mean", "mean"),
+         ("probe_p5_min_bin", "mismatch/probe_agreement_p5_min_bin", "mean"))
 # compare.md columns, mean ± spread over seeds
 COLUMNS = ("acc_dense_decode", "acc_sparse_decode", "acc_base", "acc_base_sparse", "reward_last",
            "agreement_mean", "agreement_p5", "k3", "frac_rejected", "frac_vetoed",
-           "kv_bytes_vs_dense", "rollout_s_vs_dense")
+           "kv_bytes_vs_dense", "rollout_s_vs_dense", "rollout_kv_vs_dense", "kv_budget_mean",
+           "probe_p5_min_bin")
 
 
 def decode_accuracy(model_dir: Path, run_dir: Path, budget: int) -> dict:

@@ -51,6 +51,12 @@ SCHEMA = pa.schema([
     # why the sample's reward is 0 by default rather than computed: "timeout" or "error: ..."
     # (tasks/rewards.py); null when the reward function answered (or in older segments)
     pa.field("reward_fault", pa.string()),
+    # KV budget in force in each position bin the sequence reached (rollout.kv.bin_tokens; null:
+    # a dense cache or another engine)
+    pa.field("kv_bin_budgets", pa.list_(pa.int32())),
+    # exact per-token agreement 1 - TV of the sparse and dense next-token distributions, len =
+    # response; probe rows only (rollout.kv.probe_share), null elsewhere
+    pa.field("kv_agreement", LP),
 ])
 
 LOG_SCHEMA = pa.schema([

@@ -207,7 +207,7 @@ def sync_weights(pools, cfg) -> tuple[int, dict]:
         return broadcast_weights(pools)
 
 
-def batch_metrics(batch, learner_version: int) -> dict:
+def batch_metrics(batch, learner_version: int, bin_tokens: int = 16) -> dict:
     """Reward, lengths, kept ratio, KV bytes and staleness of a training batch; checks log-prob
     lengths. ``rollout/kv_bytes_per_seq``: the mean over rows of the most KV bytes the engine
     stored for the sequence (all layers, K and V).
@@ -233,6 +233,72 @@ def batch_metrics(batch, learner_version: int) -> dict:
     kv = pc.mean(batch.column("peak_kv_bytes")).as_py()  # rows of older segments: null
     if kv is not None:
         out["rollout/kv_bytes_per_seq"] = float(kv)
+    return out | kv_schedule_metrics(batch, bin_tokens)
+
+
+def kv_schedule_metrics(batch, width: int) -> dict:
+    """Budget schedule and probe figures of a batch (issue 14): ``rollout/kv_budget_mean``, the
+    budget in force at each response token's position, averaged over tokens; from probe rows
+    (``kv_agreement``) the exact agreement per position bin, ``mismatch/agreement_p5/bin<k>`` and
+    ``mismatch/agreement_mean/bin<k>``, and ``mismatch/probe_agreement_p5_min_bin`` (Sparrow's
+    stability statistic: the worst bin, bins of few tokens pooled as ``schedule.plan.pooled``) with ``mismatch/probe_agreement_mean``. ``width``:
+    ``rollout.kv.bin_tokens``."""
+    from schedule.plan import bin_alphas, bin_stats, pooled
+
+    names = batch.schema.names
+    if "kv_bin_budgets" not in names:
+        return {}
+    budgets, plens = batch.column("kv_bin_budgets").to_pylist(), batch.column("prompt_len")
+    plens, rlens = plens.to_pylist(), batch.column("response_len").to_pylist()
+    out, used = {}, [(b, p, r) for b, p, r in zip(budgets, plens, rlens) if b]
+    if used and width:
+        tok = [b[min((p + t) // width, len(b) - 1)] for b, p, r in used for t in range(r)]
+        out["rollout/kv_budget_mean"] = sum(tok) / max(1, len(tok))
+    probes = [(p, a) for p, a in zip(plens, batch.column("kv_agreement").to_pylist()) if a]
+    if probes and width:
+        by_bin = bin_alphas([p for p, _ in probes], [a for _, a in probes], width)
+        for k, st in bin_stats(by_bin).items():
+            out[f"mismatch/agreement_p5/bin{k}"] = st["p5"]
+            out[f"mismatch/agreement_mean/bin{k}"] = st["mean"]
+        # bins with too few tokens for a 5th percentile are judged with the bin before them
+        out["mismatch/probe_agreement_p5_min_bin"] = min(
+            st["p5"] for st in bin_stats(pooled(by_bin)[0]).values())
+        alphas = [x for _, a in probes for x in a]
+        out["mismatch/probe_agreement_mean"] = sum(alphas) / len(alphas)
+    return out
+
+
+def replan_schedule(pools, cfg, step: int) -> dict:
+    """``rollout.kv.schedule=dynamic``: every ``replan_every`` steps, the rollout actors' probes
+    since the last re-plan and the engine's cost model give the next budget per bin
+    (``schedule.plan.plan``), sent to every rollout actor and kept in ``cfg.rollout.kv.budgets``
+    (so replacement actors and checkpoints carry it). Returns the ``schedule/*`` metrics."""
+    import ray
+
+    from actors.config import KVObjective, KVSchedule
+    from schedule.cost import CostModel, bin_cost
+    from schedule.plan import merge, plan
+
+    kv = cfg.rollout.kv
+    if KVSchedule(kv.schedule) != KVSchedule.dynamic or step % kv.replan_every:
+        return {}
+    probes = ray.get([a.take_probes.remote() for a in pools.rollout])
+    table = merge([p["table"] for p in probes])
+    if not table:
+        return {"schedule/replanned": 0}
+    realized = merge([{0: p["realized"]} for p in probes]).get(0, {})
+    cost = CostModel.from_dict(ray.get(pools.rollout[0].kv_cost_model.remote()))
+    counts = {k: len(v) for k, v in next(iter(table.values())).items()}
+    per_bin = bin_cost(KVObjective(kv.objective).value, cost, kv.bin_tokens, kv.compress_every,
+                       cfg.rollout.batch_size, counts)
+    budgets, info = plan(table, per_bin, kv.threshold, kv.margin, realized, kv.bin_budgets())
+    ray.get([a.set_budgets.remote(budgets) for a in pools.rollout])
+    kv.budgets = list(budgets)
+    out = {"schedule/replanned": 1, "schedule/unmet_bins": len(info["unmet_bins"]),
+           "schedule/predicted_cost": info["predicted_cost"],
+           "schedule/cost_error_step": cost.error.get("step", 0.0),
+           "schedule/cost_error_compress": cost.error.get("compress", 0.0)}
+    out.update({f"schedule/budget_bin{k}": b for k, b in enumerate(budgets)})
     return out
 
 

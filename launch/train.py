@@ -57,8 +57,8 @@ def main(argv: list[str]) -> dict:
     from launch.faults import Faults
     from launch.recovery import call as buffer  # a lost buffer actor is re-created, the call repeated
     from launch.steps import (MetricsLog, PromptSampler, batch_metrics, buffer_depth, evaluate_sets,
-                              fill_rollouts, gather_rollouts, land_rollouts, score_pending,
-                              sync_weights)
+                              fill_rollouts, gather_rollouts, land_rollouts, replan_schedule,
+                              score_pending, sync_weights)
 
     t_start = time.time()
     log = MetricsLog(run_dir, cfg.run)  # + TensorBoard (run.tensorboard), wandb, Ray gauges
@@ -116,13 +116,16 @@ def main(argv: list[str]) -> dict:
         metrics, trained = faults.train(pools, cfg, batch, to_tensors(batch, pad_id), step, version)
 
         # 6e. New weights to every rollout and scorer actor: staged beside any rollout still
-        # running (never waited for), swapped in before each actor's next batch.
+        # running (never waited for), swapped in before each actor's next batch. A dynamic KV
+        # schedule (rollout.kv.schedule) re-plans its budgets from the probes first.
+        kv_plan = replan_schedule(pools, cfg, step)
         version, sync = sync_weights(pools, cfg)
         if not overlap:
             fill_rollouts(in_flight, pools, sampler, version, cfg.run.steps)
 
         # 6f. Metrics: reward, mismatch and correction statistics, timings.
-        record = {"step": step, "version": version, **batch_metrics(batch, version),
+        record = {"step": step, "version": version, **kv_plan,
+                  **batch_metrics(batch, version, cfg.rollout.kv.bin_tokens),
                   "time/rollout_wait_s": t_roll, "time/step_s": time.time() - t0, **sync,
                   **buffer_depth(pools), **faults.metrics(), **pools.faults,
                   **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}

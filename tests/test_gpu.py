@@ -2,7 +2,7 @@
 
 * native engine on CUDA: dense bf16 log-probs vs the HF forward; sparse generation in fp32 exact
   vs teacher forcing under the recorded kept sets (as tests/test_kv_engine.py on CPU), and in bf16
-  within bf16 noise;
+  within bf16 noise; probes (issue 14): replay at per-bin budgets, alpha vs the dense reference;
 * dense scorer on CUDA in bf16: the frozen reference and the batch-composition tolerance;
 * vLLM (CUDA build) in bf16: generate, reload weights from CUDA tensors (no trip through host
   memory), reload the originals and get the same outputs back;
@@ -78,6 +78,26 @@ def test_native_sparse_logprobs_are_the_sparse_policys_on_cuda(tiny, policy, dty
         assert torch.isfinite(rec).all()
         sparse = recompute_logprobs(model, prompt, o.response_ids, o.trace, 0.9, k, p)
         assert (sparse.float() - rec).abs().max() < tol
+
+
+def test_probe_replay_and_agreement_on_cuda(tiny):
+    """Issue 14's probes on CUDA in fp32: the replay at the generation's per-bin budgets gives back
+    the sampler's log-probs, and alpha against the dense reference is 1 with no eviction."""
+    from actors.native import NativeEngine
+    from actors.probes import agreement
+
+    model = _cuda(tiny, torch.float32)
+    params = SamplingParams(max_new_tokens=20, temperature=0.8, seed=3)
+    eng = NativeEngine(model, KVConfig(policy="rkv", budgets=[16, 8], bin_tokens=12,
+                                       compress_every=4, obs_window=4, pool_kernel=3))
+    outs = eng.generate(PROMPTS, params)
+    resp = [o.response_ids for o in outs]
+    for o, d in zip(outs, eng.replay(PROMPTS, resp, params)):
+        got = d.gather(-1, torch.tensor(o.response_ids)[:, None]).squeeze(-1)
+        assert torch.allclose(got, torch.tensor(o.logprobs), atol=1e-4)
+    assert min(min(a) for a in agreement(eng, PROMPTS, resp, params, 2)) < 0.999
+    eng.set_budgets([64])
+    assert all(abs(x - 1.0) < 1e-4 for a in agreement(eng, PROMPTS, resp, params, 2) for x in a)
 
 
 # ---- dense scorer ----------------------------------------------------------------------------

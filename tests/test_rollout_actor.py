@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 ROW_KEYS = {"sample_id", "group_id", "prompt_idx", "prompt_ids", "response_ids", "sampler_logprobs",
             "reward", "policy_version", "kv_policy", "kv_budget", "kept_ratio", "prompt_len",
             "response_len", "finish_reason", "gen_time_s", "logprob_mode", "peak_kv_bytes",
-            "reward_fault"}
+            "reward_fault", "kv_bin_budgets", "kv_agreement"}
 
 
 class ContainsAnswer:

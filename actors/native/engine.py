@@ -10,7 +10,10 @@ One call to ``generate`` runs the prompts in batches of ``batch_size``. Per batc
 2. Decode: each step appends one token per row at slot ``n[b]``; a row whose cache is full
    (``n == budget + compress_every``) is first compressed to ``budget`` tokens by its KV policy, so
    compression happens every ``compress_every`` decode steps and no row stores more than
-   ``budget + compress_every`` tokens per layer. Rows that emit a stop token or reach
+   ``budget + compress_every`` tokens per layer. ``budget`` is the one of the position bin the row
+   is about to write (``rollout.kv.budgets`` per ``bin_tokens`` positions, ``set_budgets``; a
+   static budget is the one-bin case); rows in different bins compress separately, and
+   ``GenerationOutput.bin_budgets`` records the budget of every bin a sequence reached. Rows that emit a stop token or reach
    ``max_new_tokens`` leave the batch at once (the cache rows are dropped). Stop strings
    (``SamplingParams.stop``) are matched by decoding each row's tail (``stops.py``): the token that
    completes one ends the row like a stop token (kept, finish_reason "stop").
@@ -26,12 +29,14 @@ sequence had stored (all layers, K and V); ``last_stats`` has the batch's ``allo
 Transient extras not counted there: one layer's full prompt KV while a long prompt is compressed at
 prefill, and both the old and new row sets for the moment of a refill's concatenation.
 Sampling: one ``torch.Generator`` seeded from ``SamplingParams.seed`` per call, so the same prompts,
-seed and ``batch_size`` give the same samples.
+seed and ``batch_size`` give the same samples. ``replay`` runs the same loop teacher-forced over
+given responses and returns each step's full next-token log-probs (probes, ``actors/probes.py``).
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import torch
 
@@ -40,7 +45,7 @@ from actors.engine import GenerationOutput, SamplingParams
 from actors.native import policies
 from actors.native.kvcache import KVStore
 from actors.native.model import Decoder, RopeTable, attend, decode_attend
-from actors.native.sampling import sample
+from actors.native.sampling import sample, truncate
 from actors.native.stops import StopMatcher, tokenizer_decoder
 
 
@@ -55,6 +60,7 @@ class NativeEngine:
         self.kv = kv or KVConfig()
         self.kv.validate("rollout.kv")
         self.policy = KVPolicy(self.kv.policy)
+        self.budgets = self.kv.bin_budgets()     # per position bin (rollout.kv.bin_tokens)
         self.batch_size = batch_size
         self.trace = trace        # record compression events (kept positions) for tests
         self.version = 0
@@ -89,6 +95,20 @@ class NativeEngine:
 
         return checksum(self.model.named_parameters())
 
+    # ---- budget schedule -------------------------------------------------------------------------
+    def set_budgets(self, budgets: list[int]) -> None:
+        """Use ``budgets`` (one per position bin of ``kv.bin_tokens``) from the next call on;
+        checked like ``rollout.kv.budgets``. A static budget is the one-bin schedule."""
+        kv = replace(self.kv, budgets=[int(b) for b in budgets])
+        kv.validate("rollout.kv")
+        self.kv, self.budgets = kv, kv.bin_budgets()
+
+    def budget_at(self, position: torch.Tensor) -> torch.Tensor:
+        """Budget in force for rows about to write ``position`` [R] (host): its bin's budget, the
+        last bin's beyond the schedule."""
+        table = torch.tensor(self.budgets, dtype=torch.long)
+        return table[(position // self.kv.bin_tokens).clamp(max=len(self.budgets) - 1)]
+
     # ---- generation ------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
@@ -96,17 +116,59 @@ class NativeEngine:
         have finished, waiting prompts are prefilled and join the batch."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("native engine: empty prompt (every prompt needs at least one token)")
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(int(params.seed))
+
+        def pick(logits, st):
+            return sample(logits, params.temperature, params.top_k, params.top_p,
+                          params.logprob_mode, gen)
+
+        return self._run(prompts, [params.max_new_tokens] * len(prompts), params, pick)
+
+    @torch.no_grad()
+    def replay(self, prompts: list[list[int]], responses: list[list[int]],
+               params: SamplingParams, against=None) -> list[torch.Tensor]:
+        """Teacher-forced pass through this engine's own decode path (same KV policy, schedule and
+        compressions) over given responses. Per row: the full next-token log-probs
+        [len(response), V] (float32, host) of the distribution sampling would draw from at each
+        step (temperature, top-k, top-p); with ``against`` (``.at(rows, steps) -> [R, V]``
+        log-probs of a reference, e.g. ``actors.probes.DenseReference``) only the agreement
+        sum_v min(p, p_ref) per step [len(response)]: no rows x length x vocabulary tensor."""
+        from correction.metrics import tv_agreement
+
+        if any(len(r) == 0 for r in responses):
+            raise ValueError("native engine: replay needs a non-empty response per row")
+        forced = [torch.tensor(r, dtype=torch.long) for r in responses]
+        kept: list[list[torch.Tensor]] = [[] for _ in prompts]
+
+        def pick(logits, st):
+            scaled = logits.float() / (params.temperature or 1.0)
+            logp = torch.log_softmax(truncate(scaled, params.top_k, params.top_p)
+                                     if params.temperature else scaled, dim=-1)
+            ids, steps = st.ids.tolist(), st.count[st.ids]
+            tok = torch.stack([forced[o][int(c)] for o, c in zip(ids, steps)]).to(logits.device)
+            out = logp if against is None else tv_agreement(logp, against.at(st.ids, steps))
+            for j, o in enumerate(ids):
+                kept[o].append(out[j].cpu())
+            return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+        no_stop = replace(params, stop_token_ids=(), stop=())
+        self._run(prompts, [len(r) for r in responses], no_stop, pick)
+        return [torch.stack(d) for d in kept]
+
+    def _run(self, prompts, max_new: list[int], params: SamplingParams, pick) -> list[GenerationOutput]:
+        """The decode loop shared by ``generate`` and ``replay``: ``pick(logits, state)`` gives each
+        live row's next token and its log-prob; row r ends after ``max_new[r]`` tokens."""
         t0 = time.perf_counter()
         self.dec.refresh()
         dev = self.device = next(self.model.parameters()).device
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=dev).manual_seed(int(params.seed))
-        st = _BatchState(prompts, params.max_new_tokens, dev, self.trace, self._stops(params))
-        if not prompts or params.max_new_tokens <= 0:
+        longest = max(max_new, default=0)
+        st = _BatchState(prompts, max_new, dev, self.trace, self._stops(params))
+        if not prompts or longest <= 0:
             return st.outputs(0)
-        cap = self._capacity(max(len(p) for p in prompts), params.max_new_tokens)
-        rope = RopeTable(self.dec, max(len(p) for p in prompts) + params.max_new_tokens, dev)
+        cap = self._capacity(max(len(p) for p in prompts), longest)
+        rope = RopeTable(self.dec, max(len(p) for p in prompts) + longest, dev)
         stop = torch.tensor(sorted(set(int(t) for t in params.stop_token_ids)), dtype=torch.long,
                             device=dev)
         queue = list(range(len(prompts)))
@@ -124,8 +186,7 @@ class NativeEngine:
                 allocated = max(allocated, store.allocated_bytes())
             if store is None:
                 break
-            tok, lp = sample(logits, params.temperature, params.top_k, params.top_p,
-                             params.logprob_mode, gen)
+            tok, lp = pick(logits, st)
             alive = st.record(tok, lp, stop)
             if not bool(alive.all()):
                 rows = alive.nonzero().squeeze(-1)
@@ -135,13 +196,13 @@ class NativeEngine:
                     continue
                 store.keep_rows(rows)
                 tok, seen = tok[rows.to(dev)], seen[rows]
-            full = (store.n >= store.cap).nonzero().squeeze(-1)
+            full = (store.n >= self._limit(seen)).nonzero().squeeze(-1)
             if full.numel():
                 self._compress(store, full, seen, st)
             logits = self._decode_step(tok, seen, store, rope)
             st.account(st.ids, store.n, seen + 1)
             seen = seen + 1
-        outs = st.outputs(self.bytes_per_token)
+        outs = st.outputs(self.bytes_per_token, self._bins_used)
         self.last_stats = {"allocated_kv_bytes": allocated, "peak_kv_bytes": st.peak_total,
                            "tokens": sum(len(o.response_ids) for o in outs),
                            "attended_slots": st.attended / max(1, st.decode_rows),
@@ -171,7 +232,26 @@ class NativeEngine:
     def _capacity(self, lmax: int, max_new: int) -> int:
         if self.policy == KVPolicy.dense:
             return lmax + max_new
-        return min(self.kv.budget + self.kv.compress_every, lmax + max_new)
+        return min(max(self.budgets) + self.kv.compress_every, lmax + max_new)
+
+    def _limit(self, seen: torch.Tensor) -> torch.Tensor:
+        """Slots at which each row compresses before writing position ``seen``: its bin's budget
+        plus ``compress_every`` (never for a dense cache)."""
+        if self.policy == KVPolicy.dense:
+            return torch.full_like(seen, torch.iinfo(torch.long).max)
+        return self.budget_at(seen) + self.kv.compress_every
+
+    def _bins_used(self, total: int) -> list[int]:
+        """The budget of every bin a sequence of ``total`` tokens reached (dense: none)."""
+        if self.policy == KVPolicy.dense:
+            return []
+        bins = -(-total // self.kv.bin_tokens)
+        return self.budget_at(torch.arange(bins) * self.kv.bin_tokens).tolist()
+
+    def _groups(self, rows: torch.Tensor, position: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """Rows (host indices) grouped by the budget in force at ``position`` [len(rows)]."""
+        budget = self.budget_at(position)
+        return [(int(b), rows[budget == b]) for b in budget.unique().tolist()]
 
     def _admit(self, prompts, take: list[int], cap: int, st):
         """Prefill prompts[take] into a new store; returns (store, next-token logits, lens)."""
@@ -199,11 +279,12 @@ class NativeEngine:
         mask = mask[:, None, None]                                  # [B,1,1,T,S]
         x = dec.embed(tokens)
         cos, sin = dec.rope(x, positions)
-        rows = (lens > self.kv.budget).nonzero().squeeze(-1)
+        rows = (lens > self.budget_at(lens)).nonzero().squeeze(-1)
         if self.policy == KVPolicy.dense:
             rows = rows[:0]
+        groups = self._groups(rows, lens[rows])   # rows over their bin's budget, by budget
         need_probs = self.policy == KVPolicy.h2o
-        kept = []
+        kept = [[] for _ in groups]
         for i in range(dec.n_layers):
             q, k, v = dec.qkv(i, x, cos, sin)
             out, probs = attend(q, k, v, mask, dec.scaling, want_probs=need_probs)
@@ -221,13 +302,15 @@ class NativeEngine:
             dst.fill_window(j, q, lens)
             if dst is not store:
                 dst.n = lens.clone()
-                kept.append(self._compress_layer(dst, 0, rows, lens[rows]))
+                for g, (budget, part) in enumerate(groups):
+                    kept[g].append(self._compress_layer(dst, 0, part, lens[part], budget,
+                                                        st.plen(ids[part])))
                 store.copy_layer_from(i, dst, 0, min(lmax, store.cap))
             x = dec.finish(i, x, out)
         store.n = lens.clone()
-        if rows.numel():
-            store.n[rows] = self.kv.budget
-            st.compressed(ids[rows], lens[rows] - 1, torch.stack(kept, dim=1))
+        for (budget, part), k in zip(groups, kept):
+            store.n[part] = budget
+            st.compressed(ids[part], lens[part] - 1, torch.stack(k, dim=1))
         st.account(ids, store.n, lens, first=True)
         return dec.logits(x[torch.arange(b, device=dev), lens_d - 1])
 
@@ -257,21 +340,26 @@ class NativeEngine:
         store.n = n1
         return dec.step_logits(x)
 
-    def _compress_layer(self, store: KVStore, i: int, rows: torch.Tensor,
-                        seen: torch.Tensor) -> torch.Tensor:
+    def _compress_layer(self, store: KVStore, i: int, rows: torch.Tensor, seen: torch.Tensor,
+                        budget: int, plen: torch.Tensor) -> torch.Tensor:
         """Cut layer i of the given rows (host indices) to ``budget`` slots chosen by the policy;
-        returns the kept absolute positions [R,Hkv,budget]. ``seen`` [R]: tokens processed."""
+        returns the kept absolute positions [R,Hkv,budget]. ``seen`` [R]: tokens processed;
+        ``plen`` [R]: prompt lengths (kept first with ``kv.protect_prompt``)."""
         rows_d = rows.to(self.device)
-        view = policies.layer_view(store, i, rows_d, seen.to(self.device), self.dec)
-        idx = policies.select(self.policy, self.kv, self.kv.budget, view)
+        protect = plen.to(self.device) if self.kv.protect_prompt else None
+        view = policies.layer_view(store, i, rows_d, seen.to(self.device), self.dec, protect)
+        idx = policies.select(self.policy, self.kv, budget, view)
         store.gather_rows(i, rows_d, idx)
-        return store.pos[i][rows_d, :, :self.kv.budget]
+        return store.pos[i][rows_d, :, :budget]
 
     def _compress(self, store: KVStore, rows: torch.Tensor, seen: torch.Tensor, st) -> None:
-        """Compress the given rows of every layer to ``budget`` slots (decode time)."""
-        kept = [self._compress_layer(store, i, rows, seen[rows]) for i in range(self.dec.n_layers)]
-        store.n[rows] = self.kv.budget
-        st.compressed(st.ids[rows], seen[rows] - 1, torch.stack(kept, dim=1))
+        """Compress the given rows of every layer to their bin's budget (decode time)."""
+        for budget, part in self._groups(rows, seen[rows]):
+            plen = st.plen(st.ids[part])
+            kept = [self._compress_layer(store, i, part, seen[part], budget, plen)
+                    for i in range(self.dec.n_layers)]
+            store.n[part] = budget
+            st.compressed(st.ids[part], seen[part] - 1, torch.stack(kept, dim=1))
 
 
 class _BatchState:
@@ -281,12 +369,14 @@ class _BatchState:
 
     def __init__(self, prompts, max_new: int, device, trace: bool,
                  stops: StopMatcher | None = None):
-        self.prompts, self.max_new, self.device, self.stops = prompts, max_new, device, stops
-        b = len(prompts)
+        self.prompts, self.device, self.stops = prompts, device, stops
+        self.max_new = torch.tensor(max_new, dtype=torch.long)   # per row
+        self.prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        b, width = len(prompts), max(1, max(max_new, default=1))
         self.ids = torch.zeros(0, dtype=torch.long)
         self.ids_d = self.ids.to(device)
-        self.tokens = torch.zeros(b, max(1, max_new), dtype=torch.long, device=device)
-        self.logps = torch.zeros(b, max(1, max_new), dtype=torch.float32, device=device)
+        self.tokens = torch.zeros(b, width, dtype=torch.long, device=device)
+        self.logps = torch.zeros(b, width, dtype=torch.float32, device=device)
         self.count = torch.zeros(b, dtype=torch.long)
         self.stopped = torch.zeros(b, dtype=torch.bool, device=device)
         self.kept_sum = torch.zeros(b, dtype=torch.float64)
@@ -311,7 +401,11 @@ class _BatchState:
             hit = self.stops.hits(self.ids.tolist(), tok.tolist())
             is_stop = is_stop | torch.tensor(hit, device=is_stop.device)
         self.stopped[self.ids_d] = is_stop
-        return ~is_stop.cpu() & (c + 1 < self.max_new)
+        return ~is_stop.cpu() & (c + 1 < self.max_new[self.ids])
+
+    def plen(self, ids: torch.Tensor) -> torch.Tensor:
+        """Prompt lengths of the given prompt indices (host)."""
+        return self.prompt_len[ids]
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         self.ids = self.ids[rows]
@@ -337,7 +431,7 @@ class _BatchState:
             for j, o in enumerate(ids.tolist()):
                 self.trace[o].append((int(after_pos[j]), kept_pos[j]))
 
-    def outputs(self, bytes_per_token: int) -> list[GenerationOutput]:
+    def outputs(self, bytes_per_token: int, bins_used=lambda total: []) -> list[GenerationOutput]:
         tokens, logps = self.tokens.cpu().tolist(), self.logps.cpu().tolist()
         stopped, count = self.stopped.cpu().tolist(), self.count.tolist()
         return [GenerationOutput(
@@ -345,5 +439,6 @@ class _BatchState:
             logprobs=logps[o][:count[o]], finish_reason="stop" if stopped[o] else "length",
             kept_ratio=float(self.kept_sum[o]) / max(1, count[o]),
             peak_kv_bytes=int(self.peak[o]) * bytes_per_token,
-            trace=self.trace[o] if self.trace is not None else [])
+            trace=self.trace[o] if self.trace is not None else [],
+            bin_budgets=bins_used(len(self.prompts[o]) + count[o]))
             for o in range(len(self.prompts))]

@@ -274,12 +274,14 @@ class Decoder:
         return self.lm_head(rms_norm(self.norm, x)).float()
 
     @torch.no_grad()
-    def forward_full(self, input_ids: torch.Tensor, positions: torch.Tensor, mask_fn) -> torch.Tensor:
-        """Whole-sequence forward; ``mask_fn(layer) -> bool [B,Hkv or 1,1,T,T]``. Returns logits."""
+    def forward_full(self, input_ids: torch.Tensor, positions: torch.Tensor, mask_fn,
+                     head: bool = True) -> torch.Tensor:
+        """Whole-sequence forward; ``mask_fn(layer) -> bool [B,Hkv or 1,1,T,T]``. Returns logits,
+        or with ``head=False`` the last layer's hidden states (``logits(x)`` maps them)."""
         x = self.embed(input_ids)
         cos, sin = self.rope(x, positions)
         for i in range(self.n_layers):
             q, k, v = self.qkv(i, x, cos, sin)
             out, _ = attend(q, k, v, mask_fn(i), self.scaling)
             x = self.finish(i, x, out)
-        return self.logits(x)
+        return self.logits(x) if head else x

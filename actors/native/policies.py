@@ -52,10 +52,13 @@ class LayerView:
     n: torch.Tensor                    # [R]
     acc: torch.Tensor | None = None    # [R,Hkv,S] accumulated attention (H2O)
     win: torch.Tensor | None = None    # [R,Hkv,g,w,S] window logits, -inf where not visible
+    protect: torch.Tensor | None = None  # [R] prompt lengths: positions below stay (protect_prompt)
 
 
-def layer_view(store, i: int, rows: torch.Tensor, seen: torch.Tensor, dec) -> LayerView:
-    """Build the view of layer i for rows; seen [R] = tokens processed by each row so far."""
+def layer_view(store, i: int, rows: torch.Tensor, seen: torch.Tensor, dec,
+               protect: torch.Tensor | None = None) -> LayerView:
+    """Build the view of layer i for rows; seen [R] = tokens processed by each row so far;
+    ``protect`` [R]: prompt lengths whose positions must stay (``rollout.kv.protect_prompt``)."""
     # every row compresses at once when the batch started together: read the layer in place
     whole = rows.numel() == store.k[i].shape[0]
     pick = (lambda t: t) if whole else (lambda t: t.index_select(0, rows))  # noqa: E731
@@ -64,7 +67,7 @@ def layer_view(store, i: int, rows: torch.Tensor, seen: torch.Tensor, dec) -> La
     win = None
     if store.qwin is not None:
         win = window_logits(pick(store.qwin[i]), seen, keys, pos, n, dec.scaling)
-    return LayerView(keys, pos, n, acc, win)
+    return LayerView(keys, pos, n, acc, win, protect)
 
 
 def window_logits(q: torch.Tensor, seen: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor,
@@ -92,18 +95,34 @@ def select(policy: KVPolicy, kv: KVConfig, budget: int, view: LayerView) -> torc
     if policy == KVPolicy.streaming:
         s = view.keys.shape[2]
         recency = torch.arange(s, dtype=torch.float32, device=view.pos.device)
-        recency = recency.expand(view.pos.shape)
-        return _keep(recency, view.n, budget, first=kv.sink_tokens, last=0)
-    if policy == KVPolicy.h2o:
-        return _keep(view.acc, view.n, budget, first=0, last=round(budget * kv.recent_ratio))
-    if policy == KVPolicy.snapkv:
+        scores, first, last = recency.expand(view.pos.shape), kv.sink_tokens, 0
+    elif policy == KVPolicy.h2o:
+        scores, first, last = view.acc, 0, round(budget * kv.recent_ratio)
+    elif policy == KVPolicy.snapkv:
         scores = snapkv_scores(view.win, view.n, kv.obs_window, kv.pool_kernel)
-        return _keep(scores, view.n, budget, 0, kv.obs_window)
-    if policy == KVPolicy.rkv:
+        first, last = 0, kv.obs_window
+    elif policy == KVPolicy.rkv:
         scores = rkv_scores(view.win, view.keys, view.n, kv.obs_window, kv.pool_kernel,
                             kv.rkv_lambda)
-        return _keep(scores, view.n, budget, 0, kv.obs_window)
-    raise ValueError(f"no selection rule for KV policy {policy!r}")
+        first, last = 0, kv.obs_window
+    else:
+        raise ValueError(f"no selection rule for KV policy {policy!r}")
+    if view.protect is not None:
+        scores = protect_prompt(scores, view.pos, view.protect)
+    return _keep(scores, view.n, budget, first, last)
+
+
+# Above every policy score (probabilities, accumulated attention, slot indices: all < 1e6), in
+# float64 so a protected slot's own score still orders the prompt when it does not fit.
+_PROTECT = 1e9
+
+
+def protect_prompt(scores: torch.Tensor, pos: torch.Tensor, plen: torch.Tensor) -> torch.Tensor:
+    """Lift the scores of prompt positions (pos < plen[r]) above any other slot's: compression then
+    evicts response tokens only, unless the prompt alone exceeds the budget (then the policy's own
+    ranking chooses among the prompt's tokens). The forced window still wins (it is +inf)."""
+    in_prompt = pos < plen.to(pos.device)[:, None, None]
+    return scores.double() + in_prompt.double() * _PROTECT
 
 
 def _keep(scores: torch.Tensor, n: torch.Tensor, budget: int, first: int, last: int) -> torch.Tensor:
@@ -113,7 +132,8 @@ def _keep(scores: torch.Tensor, n: torch.Tensor, budget: int, first: int, last: 
     nn_ = n[:, None, None]
     valid = slot < nn_
     forced = valid & ((slot < first) | (slot >= nn_ - last))
-    scores = scores.float().masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
+    scores = scores if scores.dtype == torch.float64 else scores.float()  # protect_prompt: f64
+    scores = scores.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
     if 2 * budget <= s:
         return scores.topk(budget, dim=-1).indices.sort(dim=-1).values
     # Decode-time compression keeps most slots (budget of budget + N): find the s - budget to

@@ -1,0 +1,239 @@
+"""Issue 14: budget per position bin in the engine, exact probe agreement, the re-planner."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from actors.config import KVConfig, RolloutConfig
+from actors.engine import SamplingParams
+from actors.native import NativeEngine
+from actors.probes import agreement, candidate_budgets, probe_rows
+from actors.rollout import RolloutActor
+from common.errors import ConfigError
+from common.modeling import load_model
+from common.testmodels import build_model
+from correction.metrics import tv_agreement
+from schedule import cost as costmod
+from schedule.plan import bin_alphas, mean_budget, plan, pooled
+from tasks.base import Problem
+
+torch.set_num_threads(1)
+PROMPTS = [list(range(5, 27)), [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_model(tmp_path_factory.mktemp("m"), "tiny", seed=3))
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return load_model(model_dir)
+
+
+def kv(policy="rkv", **kw):
+    base = dict(policy=policy, budget=12, compress_every=4, sink_tokens=2, obs_window=4,
+                pool_kernel=3)
+    return KVConfig(**{**base, **kw})
+
+
+# ---- alpha -------------------------------------------------------------------------------------
+def test_alpha_on_hand_made_distributions():
+    lg = lambda *p: torch.tensor(p, dtype=torch.float64).log()  # noqa: E731
+    a = torch.stack([lg(0.5, 0.5, 1e-300), lg(1.0, 1e-300, 1e-300), lg(0.2, 0.3, 0.5)])
+    b = torch.stack([lg(0.25, 0.25, 0.5), lg(1e-300, 1.0, 1e-300), lg(0.2, 0.3, 0.5)])
+    got = tv_agreement(a, b)
+    assert torch.allclose(got, torch.tensor([0.5, 0.0, 1.0], dtype=torch.float64), atol=1e-12)
+
+
+def test_probe_rows_are_an_even_deterministic_share():
+    assert probe_rows(16, 0.25) == [0, 4, 8, 12]
+    assert probe_rows(10, 0.0) == [] and probe_rows(3, 1.0) == [0, 1, 2]
+    assert probe_rows(7, 0.1) == [0]
+
+
+# ---- engine: budgets per bin -------------------------------------------------------------------
+def test_one_bin_schedule_is_the_static_budget(model):
+    params = SamplingParams(max_new_tokens=24, temperature=0.9, seed=5)
+    a = NativeEngine(model, kv(budget=12)).generate(PROMPTS, params)
+    b = NativeEngine(model, kv(budget=99, budgets=[12])).generate(PROMPTS, params)
+    for x, y in zip(a, b):
+        assert x.response_ids == y.response_ids and x.logprobs == y.logprobs
+        assert x.peak_kv_bytes == y.peak_kv_bytes
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv", "rkv"])
+def test_bins_and_recorded_budgets(model, policy):
+    """Every compression cuts to the budget of the bin the row is about to write, the cache never
+    holds more than that bin's budget + compress_every, and outputs record the budget per bin."""
+    budgets, width, every = [20, 8, 12], 10, 4
+    eng = NativeEngine(model, kv(policy, budgets=budgets, bin_tokens=width, compress_every=every),
+                       trace=True)
+    outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=30, temperature=1.0, seed=2))
+    at = lambda pos: budgets[min(pos // width, len(budgets) - 1)]  # noqa: E731
+    seen_budgets = set()
+    for p, o in zip(PROMPTS, outs):
+        total = len(p) + len(o.response_ids)
+        assert o.bin_budgets == [at(k * width) for k in range(-(-total // width))]
+        for after, kept in o.trace:
+            assert kept.shape[-1] == at(after + 1)        # writing position after + 1 next
+            seen_budgets.add(kept.shape[-1])
+        assert o.peak_kv_bytes <= (max(budgets) + every) * eng.bytes_per_token
+    assert seen_budgets >= {8, 12}                          # both bins' budgets were used
+
+
+def test_protect_prompt_keeps_every_prompt_token(model):
+    eng = NativeEngine(model, kv("rkv", budget=14, protect_prompt=True), trace=True)
+    prompts = [list(range(3, 11)), [5, 6, 7, 8, 9]]
+    outs = eng.generate(prompts, SamplingParams(max_new_tokens=30, temperature=1.0, seed=1))
+    for p, o in zip(prompts, outs):
+        assert o.trace
+        for _, kept in o.trace:
+            assert all(set(range(len(p))) <= set(h.tolist()) for layer in kept for h in layer)
+
+
+def test_replay_is_the_generation_path(model):
+    """Teacher-forced replay at the same schedule gives back the sampler's log-probs (same kept
+    sets); alpha against the dense reference equals tv_agreement of the full distributions (a
+    dense-cache replay's), and a budget above every length agrees with the dense cache (alpha 1)."""
+    params = SamplingParams(max_new_tokens=20, temperature=0.8, top_k=20, seed=3)
+    eng = NativeEngine(model, kv(budgets=[16, 8], bin_tokens=12))
+    outs = eng.generate(PROMPTS, params)
+    resp = [o.response_ids for o in outs]
+    for o, d in zip(outs, eng.replay(PROMPTS, resp, params)):
+        got = d.gather(-1, torch.tensor(o.response_ids)[:, None]).squeeze(-1)
+        assert torch.allclose(got, torch.tensor(o.logprobs), atol=1e-5)
+    alphas = agreement(eng, PROMPTS, resp, params, micro_batch=2)
+    assert [len(a) for a in alphas] == [len(r) for r in resp]
+    full = [tv_agreement(s, d) for s, d in zip(eng.replay(PROMPTS, resp, params),
+                                               NativeEngine(model).replay(PROMPTS, resp, params))]
+    for a, f in zip(alphas, full):
+        assert torch.allclose(torch.tensor(a), f, atol=1e-5)
+    assert min(min(a) for a in alphas) < 0.999 and all(0 <= x <= 1 for a in alphas for x in a)
+    eng.set_budgets([64])
+    assert all(x == pytest.approx(1.0, abs=1e-6)
+               for a in agreement(eng, PROMPTS, resp, params, 2) for x in a)
+
+
+# ---- rollout actor: probes and recorded budgets -------------------------------------------------
+class ContainsAnswer:
+    def reward(self, response: str, answer: str) -> float:
+        return 1.0 if answer in response else 0.0
+
+
+def test_actor_rows_probes_and_table(model_dir):
+    cfg = RolloutConfig(model_path=model_dir, samples_per_prompt=4, max_new_tokens=16,
+                        kv=kv(budget=10, bin_tokens=8, schedule="dynamic", probe_share=0.25,
+                              probe_budgets=[6, 10, 40]))
+    actor = RolloutActor(cfg, task_cfg=None, model_path=model_dir)
+    actor._task = ContainsAnswer()
+    problems = [Problem(0, "hello there", "x"), Problem(1, "abcdefghijkl", "y")]
+    actor.rollout(problems, version=0, batch=1)     # probes, no table (no re-plan reads it)
+    assert actor._probes == {} and actor._realized
+    rows = actor.rollout(problems, version=0, batch=5)   # re-plan_every=5: the table too
+    probed = [r for r in rows if r["kv_agreement"] is not None]
+    assert len(probed) == 2 and all(len(r["kv_agreement"]) == r["response_len"] for r in probed)
+    for r in rows:
+        total = r["prompt_len"] + r["response_len"]
+        assert r["kv_bin_budgets"] == [10] * (-(-total // 8))
+    got = actor.take_probes()
+    assert sorted(got["table"]) == [6, 10, 40] and got["budgets"] == [10]
+    exact = got["table"][40]                      # above every length: the dense cache's
+    assert all(x == pytest.approx(1.0, abs=1e-6) for v in exact.values() for x in v)
+    assert sum(map(len, got["realized"].values())) > sum(r["response_len"] for r in probed)
+    assert actor.take_probes()["table"] == {}     # taken once
+    actor.set_budgets([12, 6])
+    rows = actor.rollout(problems, version=0, batch=6)
+    assert all(r["kv_bin_budgets"][0] == 12 for r in rows)
+
+
+def test_schedule_config_errors():
+    with pytest.raises(ConfigError, match="rollout.kv.probe_share"):
+        kv(schedule="dynamic").validate()
+    with pytest.raises(ConfigError, match="rollout.kv.schedule"):
+        KVConfig(policy="dense", schedule="dynamic").validate()
+    with pytest.raises(ConfigError, match="rollout.kv.budgets"):
+        kv(budgets=[12, 0]).validate()
+    with pytest.raises(ConfigError, match="rollout.kv.obs_window"):
+        kv(budgets=[12, 3]).validate()
+    with pytest.raises(ConfigError, match="rollout.kv.budgets"):
+        RolloutConfig(engine="vllm", kv=KVConfig(policy="streaming", budgets=[8])).validate()
+    assert candidate_budgets(kv(bin_tokens=16), 61) == [8, 16, 24, 32, 40, 48, 56, 64]
+    assert candidate_budgets(kv(probe_budgets=[9, 5, 9]), 61) == [5, 9]
+
+
+# ---- the scheduler ------------------------------------------------------------------------------
+def _table():
+    """Synthetic probes: bin 0 passes from budget 8, bin 1 needs 24, bin 2 needs 16 (two bad
+    tokens in twenty put the 5th percentile at 0.2)."""
+    ok, bad = [0.99] * 20, [0.99] * 18 + [0.2] * 2
+    return {8: {0: ok, 1: bad, 2: bad}, 16: {0: ok, 1: bad, 2: ok}, 24: {0: ok, 1: ok, 2: ok},
+            32: {0: ok, 1: ok, 2: ok}}
+
+
+def linear_cost(k, b):
+    return float(b)          # cost grows with the budget in every bin
+
+
+def test_scheduler_cheapest_non_increasing_passing_schedule():
+    budgets, info = plan(_table(), linear_cost, threshold=0.86)
+    assert budgets == [24, 24, 16]           # bin 0 lifted to bin 1's need (non-increasing)
+    assert info["unmet_bins"] == [] and info["floor"] == {0: 8, 1: 24, 2: 16}
+    assert plan(_table(), linear_cost, 0.86) == (budgets, info)   # deterministic
+
+
+def test_scheduler_follows_the_cost_model():
+    """A budget that never compresses can be cheaper than a compressing one (compression costs);
+    the planner takes it when the cost model says so."""
+    cost = lambda k, b: 1.0 if b == 32 else float(b)  # noqa: E731
+    assert plan(_table(), cost, 0.86)[0] == [32]
+
+
+def test_scheduler_feedback_and_unmet_bins():
+    realized = {2: [0.1] * 20}          # bin 2 failed at the schedule in use (16 there)
+    budgets, _ = plan(_table(), linear_cost, 0.86, realized=realized, current=[24, 24, 16])
+    assert budgets == [24]
+    table = {8: {0: [0.1] * 10}, 16: {0: [0.5] * 10}}
+    budgets, info = plan(table, linear_cost, 0.86)
+    assert budgets == [16] and info["unmet_bins"] == [0]    # nothing passes: the largest
+
+
+def test_sparse_tail_bins_are_pooled_with_the_bin_before():
+    """Bin 3, a tail of three tokens, passes at 8 on its own (its 'p5' is its minimum); pooled
+    with bin 2 it is judged with bin 2's tokens and keeps at least bin 2's budget."""
+    t = _table()
+    for b in t:
+        t[b][3] = [0.99] * 3
+    budgets, info = plan(t, linear_cost, 0.86)
+    assert budgets == [24, 24, 16] and info["floor"][3] == 16
+    pooled_bins, joined = pooled({0: [1.0] * 25, 1: [0.9] * 5, 2: [0.5] * 30, 3: [0.1]})
+    assert joined == {1: 0, 3: 2} and sorted(pooled_bins) == [0, 2]
+    assert len(pooled_bins[0]) == 30 and len(pooled_bins[2]) == 31
+
+
+def test_bin_alphas_and_mean_budget():
+    by_bin = bin_alphas([3, 6], [[0.9, 0.8, 0.7], [0.5]], bin_tokens=4)
+    assert by_bin == {0: [0.9], 1: [0.8, 0.7, 0.5]}
+    assert mean_budget([10, 20], {0: 1, 1: 3, 2: 4}) == pytest.approx((10 + 60 + 80) / 8)
+
+
+# ---- cost model ---------------------------------------------------------------------------------
+def test_cost_fit_recovers_a_synthetic_model_and_caches(model_dir, tmp_path):
+    pts = []
+    for j, (b, s) in enumerate((b, s) for b in (2, 8, 32) for s in (16, 64, 128, 256)):
+        pts.append({"kind": "step", "batch": b, "kv": s, "held_out": j % 2 == 1,
+                    "seconds": 1e-3 + 2e-5 * b + 3e-7 * b * s})
+        pts.append({"kind": "compress", "batch": b, "kv": s, "held_out": j % 2 == 1,
+                    "seconds": 2e-3 + 1e-6 * b * s + 2e-8 * b * s * s})
+    m = costmod.fit(pts)
+    assert m.step == pytest.approx([1e-3, 2e-5, 3e-7], rel=1e-6)
+    assert m.compress == pytest.approx([2e-3, 1e-6, 2e-8], rel=1e-6)
+    assert m.error["step"] < 1e-9 and m.error["compress"] < 1e-9
+    eng = NativeEngine(load_model(model_dir), kv())
+    first = costmod.load_or_measure(eng, model_dir, tmp_path)
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["key"] == first.key
+    assert costmod.load_or_measure(eng, model_dir, tmp_path) == first    # from the cache
+    assert first.step_s(8, 128) > 0 and set(first.error) == {"step", "compress"}
