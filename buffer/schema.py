@@ -48,6 +48,9 @@ SCHEMA = pa.schema([
     # most KV bytes the engine stored for this sequence (all layers, K and V); null in segments
     # written before it was recorded
     pa.field("peak_kv_bytes", pa.int64()),
+    # DistillSparse (rollout.distill_sparse): the sampler's kept sets as eviction points, flat
+    # [L * Hkv * (prompt_len + response_len)] (actors/native/reference.evictions); null otherwise
+    pa.field("kv_evictions", IDS),
 ])
 
 LOG_SCHEMA = pa.schema([
@@ -159,6 +162,11 @@ def _check_lengths(b: pa.RecordBatch) -> None:
     for col in ("old_logprobs", "ref_logprobs", "dense_sampler_logprobs"):
         if b.column(col).null_count < b.num_rows:
             checks.append((col, pc.list_value_length(b.column(col)), resp))
+    ev = b.column("kv_evictions")
+    if ev.null_count < b.num_rows:   # a whole number of (layer, head) rows over the sequence
+        seq = pc.add(resp, b.column("prompt_len").cast(pa.int32())).cast(pa.int64())
+        n = pc.list_value_length(ev).cast(pa.int64())
+        checks.append(("kv_evictions", pc.multiply(pc.divide(n, seq), seq), n.cast(pa.int32())))
     for name, got, want in checks:
         bad = pc.fill_null(pc.not_equal(got.cast(pa.int32()), want), False)
         if pc.any(bad).as_py():

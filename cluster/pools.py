@@ -52,7 +52,8 @@ def build_pools(cfg, run_dir: str) -> Pools:
         pinned(Learner, c.learner_cores))
     pools.learners = [
         learner_cls.remote(cfg.learner, cfg.correction, cfg.rollout.model_path, rank=r,
-                           world_size=n_learn, master_addr=c.host, master_port=ds_port)
+                           world_size=n_learn, master_addr=c.host, master_port=ds_port,
+                           distill=cfg.rollout.distill_sparse)
         for r in range(n_learn)]
     pools.rollout_ids = list(range(cfg.rollout.num_actors))
     pools.rollout = [spawn_rollout(cfg, i) for i in pools.rollout_ids]
@@ -113,7 +114,7 @@ def spawn_scorer(cfg):
         pinned(ScorerActor, c.scorer_cores))
     ref = cfg.rollout.model_path if needs_reference(cfg) else None
     return cls.remote(cfg.scorer, cfg.rollout.model_path, cfg.rollout.temperature,
-                      ref_model_path=ref)
+                      ref_model_path=ref, adapter=cfg.rollout.distill_sparse)
 
 
 def needs_reference(cfg) -> bool:

@@ -105,6 +105,12 @@ class SparseAdapter:
             raise ValueError(f"peft LoRA parameters not recognised: {list(self.params)[:4]}")
         self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=float(cfg.lr),
                                            weight_decay=0.0)
+        if self.world_size > 1:  # every rank starts from rank 0's (random) A
+            import torch.distributed as dist
+
+            with torch.no_grad():
+                for p in self.params.values():
+                    dist.broadcast(p.data, 0)
 
     def tie(self) -> None:
         """Point the peft model's frozen base parameters at the engine's current ones."""
