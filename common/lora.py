@@ -51,6 +51,20 @@ def wire_name(peft_param: str) -> str | None:
     return None
 
 
+def read_adapter(path) -> dict[str, torch.Tensor]:
+    """Adapter tensors by wire name from a peft ``save_pretrained`` folder (``<run>/final/
+    distill_sparse``, a checkpoint's ``deepspeed/v<N>/distill_sparse``)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(path) / "adapter_model.safetensors"))
+    out = {wire_name(k): v for k, v in state.items()}
+    if None in out:
+        raise ValueError(f"{path}: not a LoRA adapter folder (keys {sorted(state)[:3]})")
+    return out
+
+
 def scale(cfg) -> float:
     return float(cfg.alpha) / float(cfg.rank)
 

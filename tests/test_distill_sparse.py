@@ -57,19 +57,10 @@ def random_adapter(actor, seed=0, scale=0.5) -> list:
 
 
 def scored_batch(actor, model_dir, batch=0):
-    """One rollout batch as the learner gets it: rows, dense old log-probs, tensors, prepared."""
-    from actors.scorer import dense_logprobs
-    from buffer.schema import rows_to_batch
-    from buffer.tensors import to_tensors
-    from learner.batch import prepare_batch
+    """One rollout batch as the learner gets it (bench/distill.py's, which schedule.py uses)."""
+    from bench.distill import scored_batch as scored
 
-    rows = actor.rollout(PROBLEMS, version=0, batch=batch)
-    old = dense_logprobs(load_model(model_dir), [r["prompt_ids"] for r in rows],
-                         [r["response_ids"] for r in rows], 1.0, 0, 16)
-    for r, lp in zip(rows, old):
-        r["old_logprobs"] = lp
-    tensors = to_tensors(rows_to_batch(rows), pad_id=0)
-    return prepare_batch(tensors, CorrectionConfig(), 0)[0]
+    return scored(actor, load_model(model_dir), PROBLEMS, batch)
 
 
 # ---- config -----------------------------------------------------------------------------------
@@ -318,3 +309,29 @@ def test_train_py_with_distill_sparse_trains_the_adapter_and_resumes(tiny_model,
     resumed = next(p for p in out.iterdir() if p != run_dir)
     again = load_file(str(resumed / "final" / "distill_sparse" / "adapter_model.safetensors"))
     assert set(again) == set(adapter) and any(not torch.equal(again[k], adapter[k]) for k in adapter)
+
+
+def test_bench_trains_an_adapter_and_measures_exact_agreement(model_dir, tmp_path):
+    """bench/distill.py's functions (bench/schedule.py's DistillSparse rows): a zero adapter
+    measures as the base sampler; a trained one is read back from a peft folder unchanged."""
+    from bench.distill import agreement, rollout_config, train_adapter
+    from learner.distill import SparseAdapter
+
+    cfg = rollout_config(model_dir, budget=10, compress_every=4, max_new_tokens=24, samples=2,
+                         distill=DistillSparseConfig(lr=1e-2))
+    cfg.kv.obs_window = 4
+    base = agreement(cfg, PROBLEMS)
+    assert 0.0 <= base["agreement_p5"] <= base["agreement_mean"] < 1.0 and base["tokens"] > 0
+    zero = {n: torch.zeros_like(t) for n, t in make_actor(model_dir).adapter.tensors.items()}
+    assert agreement(cfg, PROBLEMS, zero) == base
+    adapter, history = train_adapter(cfg, PROBLEMS, steps=2, prompts_per_step=2, log=None)
+    assert len(history) == 2 and any(t.abs().max() > 0 for n, t in adapter.items() if "B" in n)
+    model = load_model(model_dir)
+    holder = SparseAdapter(cfg.distill_sparse, model_dir, dict(model.named_parameters()),
+                           torch.float32)
+    with torch.no_grad():
+        for n, p in holder.params.items():
+            p.copy_(adapter[n])
+    holder.save(tmp_path / "a", optimizer=False)
+    back = lora.read_adapter(tmp_path / "a")
+    assert set(back) == set(adapter) and all(torch.equal(back[n], adapter[n]) for n in adapter)
