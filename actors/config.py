@@ -151,9 +151,10 @@ class DistillSparseConfig:
     recomputed under each sample's recorded kept sets, plus ``kl_coef`` x k3 KL(sparse || dense)),
     the broadcast carries it, and rollout actors merge it into their sampler's weights; the
     scorer, the learner's main loss and dense evaluation never use it (``learner/distill.py``)."""
-    enabled: bool = False
+    enabled: bool = False          # train and sample with the sparse sampler's LoRA adapter
     rank: int = 8                  # LoRA rank r
     alpha: float = 16.0            # LoRA alpha: the update is (alpha / r) * B @ A
+    # linear layers of every decoder block that get an adapter (names in LORA_TARGETS)
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj",
                                                                "o_proj"])
     lr: float = 1e-4               # AdamW learning rate of the adapter (its own optimiser)

@@ -51,7 +51,8 @@ def make_actor(cfg: RolloutConfig, task_cfg: TaskConfig | None = None):
     return RolloutActor(cfg, task_cfg or TaskConfig(), cfg.model_path)
 
 
-def scored_batch(actor, base, problems, batch: int, correction=None) -> dict:
+def scored_batch(actor, base, problems, batch: int, correction=None,
+                 mini_batches: int = 1) -> dict:
     """One rollout batch as the learner trains on it: the actor's rows (``kv_evictions``
     included), dense old log-probs of ``base``, padded tensors, advantages (``prepare_batch``)."""
     from actors.scorer import dense_logprobs
@@ -68,7 +69,7 @@ def scored_batch(actor, base, problems, batch: int, correction=None) -> dict:
     for r, lp in zip(rows, old):
         r["old_logprobs"] = lp
     tensors = to_tensors(rows_to_batch(rows), pad_id=pad)
-    return prepare_batch(tensors, correction or CorrectionConfig(), 0)[0]
+    return prepare_batch(tensors, correction or CorrectionConfig(), 0, mini_batches)[0]
 
 
 def new_adapter(cfg: RolloutConfig, base):

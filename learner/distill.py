@@ -88,14 +88,18 @@ class SparseAdapter:
     -> the training engine's parameter, same architecture as ``model_path``)."""
 
     def __init__(self, cfg, model_path: str, base: dict[str, torch.nn.Parameter],
-                 dtype: torch.dtype, grad_clip: float = 1.0, world_size: int = 1):
+                 dtype: torch.dtype, grad_clip: float = 1.0, world_size: int = 1, seed: int = 0):
         from peft import get_peft_model
 
         _register()
         self.cfg, self.grad_clip, self.world_size = cfg, float(grad_clip), int(world_size)
         device = next(iter(base.values())).device
         model = load_model(model_path, dtype=dtype).to(device)
-        self.model = get_peft_model(model, lora_config(cfg))
+        # A's random init from ``seed`` alone (not the process's RNG stream, which it leaves
+        # untouched): every data-parallel rank and a resumed run start from the same adapter
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.model = get_peft_model(model, lora_config(cfg))
         self.model.base_model.model.set_attn_implementation(ATTN)
         self._base = base
         self.tie()
@@ -105,12 +109,6 @@ class SparseAdapter:
             raise ValueError(f"peft LoRA parameters not recognised: {list(self.params)[:4]}")
         self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=float(cfg.lr),
                                            weight_decay=0.0)
-        if self.world_size > 1:  # every rank starts from rank 0's (random) A
-            import torch.distributed as dist
-
-            with torch.no_grad():
-                for p in self.params.values():
-                    dist.broadcast(p.data, 0)
 
     def tie(self) -> None:
         """Point the peft model's frozen base parameters at the engine's current ones."""
@@ -140,9 +138,10 @@ class SparseAdapter:
                                               tensors["kv_evictions"][rows, :, :t].to(dev)})
 
     def train_step(self, tensors: dict, correction_cfg, temperature: float,
-                   micro_batch_size: int) -> dict[str, float]:
-        """One adapter step per mini-batch (``mini_batch``) of this rank's rows, after the base
-        step: PPO on the sparse log-probs against the sampler's recorded ones plus ``kl_coef`` x
+                   micro_batch_size: int, mini_batches: int = 1) -> dict[str, float]:
+        """One adapter step per mini-batch (``mini_batch`` 0 .. ``mini_batches`` - 1; every rank
+        steps for each, rows or not: the gradient sum is a collective) of this rank's rows,
+        after the base step: PPO on the sparse log-probs against the sampler's recorded ones plus ``kl_coef`` x
         k3 KL to the dense old log-probs, token mean over the mini-batch's response tokens (all
         ranks). Returns distill/* metrics (token-weighted means over the whole batch)."""
         from correction import policy_loss
@@ -155,13 +154,13 @@ class SparseAdapter:
         resp = tensors["response_mask"] > 0
         mini = tensors["mini_batch"]
         parts, norms = [], []
-        for m in torch.unique(mini, sorted=True).tolist():
+        for m in range(int(mini_batches)):
             rows = (mini == m).nonzero().squeeze(1)
             total = self._global_sum(float(resp[rows].sum()))
             if total <= 0:
                 continue
             self.optimizer.zero_grad(set_to_none=True)
-            for chunk in rows.split(int(micro_batch_size)):
+            for chunk in rows.split(int(micro_batch_size)) if rows.numel() else ():
                 t = max(2, int(tensors["attention_mask"][chunk].sum(1).max()))
                 new = self.sparse_logprobs(tensors, chunk, t, temperature)
                 keep = resp[chunk, :t].to(new.device)

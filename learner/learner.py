@@ -231,7 +231,7 @@ class Learner:
                 raise ValueError("rollout.distill_sparse needs learner.zero_stage <= 2 (the "
                                  "adapter's forward shares the full base parameters)")
             self.distill = SparseAdapter(distill, model_path, self._params, torch_dtype(cfg.dtype),
-                                         cfg.grad_clip, world_size)
+                                         cfg.grad_clip, world_size, cfg.seed)
 
     # ---- training -------------------------------------------------------------------------
 
@@ -276,7 +276,7 @@ class Learner:
         if self.distill is not None:  # after the base step, as Sparrow orders them
             t1 = time.time()
             distill = self.distill.train_step(tensors, self.correction_cfg, temperature,
-                                              self.cfg.micro_batch_size)
+                                              self.cfg.micro_batch_size, self.cfg.mini_batches)
             distill["time/distill_s"] = time.time() - t1
         self.version += 1
         units = sum(u for u, _, _ in parts)

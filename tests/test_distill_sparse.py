@@ -335,3 +335,57 @@ def test_bench_trains_an_adapter_and_measures_exact_agreement(model_dir, tmp_pat
     holder.save(tmp_path / "a", optimizer=False)
     back = lora.read_adapter(tmp_path / "a")
     assert set(back) == set(adapter) and all(torch.equal(back[n], adapter[n]) for n in adapter)
+
+
+def _dp_worker(rank, world, port, model_dir, path, q):
+    import traceback
+
+    torch.set_num_threads(1)
+    try:
+        from learner.batch import shard_batch
+        from learner.learner import Learner
+
+        shard = shard_batch(torch.load(path, weights_only=True), world)[rank]
+        cfg = LearnerConfig(num_learners=world, lr=1e-3, micro_batch_size=3, mini_batches=2)
+        lrn = Learner(cfg, CorrectionConfig(), model_dir, rank=rank, world_size=world,
+                      master_port=port, distill=DistillSparseConfig(enabled=True, lr=1e-2))
+        m = lrn.train_step(shard, 1.0)
+        q.put((rank, "ok", (m["distill/optimizer_steps"],
+                            {n: t.numpy().copy() for n, t in lrn.distill.named()})))
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        q.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+@pytest.mark.slow
+def test_two_learners_train_the_same_adapter_as_one(model_dir, tmp_path):
+    """Data parallel: ranks sum the adapter's gradients (each its share of the global token
+    mean), so two ranks hold the same adapter, equal to one learner's on the whole batch; rank 1
+    has no row in the second mini-batch and still takes part in its step."""
+    import multiprocessing as mp
+
+    from bench.distill import scored_batch as scored
+    from cluster.weight_sync import free_port
+    from learner.learner import Learner
+
+    batch = scored(make_actor(model_dir), load_model(model_dir), PROBLEMS, 0, mini_batches=2)
+    torch.save(batch, tmp_path / "batch.pt")
+    ctx, port = mp.get_context("spawn"), free_port()
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_dp_worker, args=(r, 2, port, model_dir, tmp_path / "batch.pt", q))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    res = dict((r, (s, out)) for r, s, out in (q.get(timeout=300) for _ in procs))
+    for p in procs:
+        p.join(timeout=30)
+    assert all(s == "ok" for s, _ in res.values()), res
+    (steps0, a0), (steps1, a1) = res[0][1], res[1][1]
+    assert steps0 == steps1 == 2
+    for n in a0:
+        assert (a0[n] == a1[n]).all(), n
+    cfg = LearnerConfig(lr=1e-3, micro_batch_size=3, mini_batches=2)
+    single = Learner(cfg, CorrectionConfig(), model_dir, master_port=_PORT,
+                     distill=DistillSparseConfig(enabled=True, lr=1e-2))
+    single.train_step(dict(batch), 1.0)
+    for n, t in single.distill.named():
+        torch.testing.assert_close(torch.from_numpy(a0[n]), t, rtol=1e-4, atol=2e-5)
