@@ -24,6 +24,7 @@ loss, by construction. ZeRO-3 (partitioned parameters) is refused at config load
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ from common import lora
 from common.modeling import load_model, token_logprobs
 
 ATTN = "sparse_kept_sets"
+ADAPTER_DIR = "distill_sparse"   # the adapter's peft folder beside an HF export / in a checkpoint
 
 
 def kept_sets_attention(module, query, key, value, attention_mask, scaling, dropout=0.0,
@@ -83,6 +85,19 @@ def _chunk_means(lm: dict, total: float, n: float) -> dict[str, float]:
     return out
 
 
+def make_adapter(cfg, model_path: str, params: dict, learner_cfg, world_size: int):
+    """The learner's adapter for the ``rollout.distill_sparse`` section ``cfg`` (None: off)."""
+    from common.dtypes import torch_dtype
+
+    if cfg is None or not cfg.enabled:
+        return None
+    if int(learner_cfg.zero_stage) == 3:
+        raise ValueError("rollout.distill_sparse needs learner.zero_stage <= 2 (the adapter's "
+                         "forward shares the full base parameters)")
+    return SparseAdapter(cfg, model_path, params, torch_dtype(learner_cfg.dtype),
+                         learner_cfg.grad_clip, world_size, learner_cfg.seed)
+
+
 class SparseAdapter:
     """The adapter (``DistillSparseConfig`` ``cfg``) over the base parameters ``base`` (HF name
     -> the training engine's parameter, same architecture as ``model_path``)."""
@@ -127,6 +142,10 @@ class SparseAdapter:
     def named(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, p.detach().to(lora.WIRE_DTYPE)) for n, p in self.params.items()]
 
+    def abs_sums(self) -> dict[str, float]:
+        """sum(|w|) per wire name (``common.modeling.checksum_of_sums``)."""
+        return {n: float(t.float().abs().sum()) for n, t in self.named()}
+
     # ---- training -----------------------------------------------------------------------------
     def sparse_logprobs(self, tensors: dict, rows, t: int, temperature: float) -> torch.Tensor:
         """Sparse-policy log-probs [rows, t] of rows ``rows`` (base + adapter, kept sets)."""
@@ -146,6 +165,7 @@ class SparseAdapter:
         ranks). Returns distill/* metrics (token-weighted means over the whole batch)."""
         from correction import policy_loss
 
+        t0 = time.time()
         if "kv_evictions" not in tensors:
             raise ValueError("distill_sparse: the batch has no kv_evictions (rows from a rollout "
                              "without rollout.distill_sparse.enabled)")
@@ -176,6 +196,7 @@ class SparseAdapter:
         out = combine_weighted(parts)
         out["distill/grad_norm"] = sum(norms) / len(norms) if norms else 0.0
         out["distill/optimizer_steps"] = float(len(norms))
+        out["time/distill_s"] = time.time() - t0
         return out
 
     def _loss_config(self, correction_cfg):
@@ -217,19 +238,24 @@ class SparseAdapter:
         return norm
 
     # ---- persistence --------------------------------------------------------------------------
-    def save(self, path: str | Path, optimizer: bool = True) -> None:
-        """peft ``save_pretrained`` (adapter_config.json + adapter_model.safetensors, loadable with
-        ``PeftModel.from_pretrained(base, path)``) plus the optimiser state."""
-        path = Path(path)
+    def save(self, where: str | Path, optimizer: bool = True) -> None:
+        """Into ``where/distill_sparse``: peft ``save_pretrained`` (adapter_config.json +
+        adapter_model.safetensors, loadable with ``PeftModel.from_pretrained(base, that folder)``)
+        plus the optimiser state."""
+        path = Path(where) / ADAPTER_DIR
         self.model.save_pretrained(str(path))
         if optimizer:
             torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
 
-    def load(self, path: str | Path) -> None:
+    def load(self, where: str | Path) -> None:
+        """What ``save`` wrote into ``where`` (a checkpoint without it: FileNotFoundError)."""
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
-        path = Path(path)
+        path = Path(where) / ADAPTER_DIR
+        if not (path / "adapter_model.safetensors").is_file():
+            raise FileNotFoundError(f"rollout.distill_sparse is enabled but the checkpoint has no "
+                                    f"adapter at {path} (saved without DistillSparse)")
         state = load_file(str(path / "adapter_model.safetensors"))
         result = set_peft_model_state_dict(self.model, state)
         missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]

@@ -42,8 +42,6 @@ from common.modeling import checksum_of_sums, load_model, token_logprobs
 from learner.batch import PREPARED, combine_weighted
 from learner.config import LearnerConfig, LRSchedule
 
-ADAPTER_DIR = "distill_sparse"   # the sampler's adapter beside an HF export / in a checkpoint
-
 
 def lr_lambda(cfg: LearnerConfig):
     """Multiplier of ``cfg.lr`` at optimiser step s: linear warmup, then constant or cosine."""
@@ -223,15 +221,9 @@ class Learner:
         self.init_seconds = time.time() - t0
         self._sender = None
         self._params = dict(self.engine.module.named_parameters())
-        self.distill = None
-        if distill is not None and distill.enabled:
-            from learner.distill import SparseAdapter
+        from learner.distill import make_adapter
 
-            if self._zero3:
-                raise ValueError("rollout.distill_sparse needs learner.zero_stage <= 2 (the "
-                                 "adapter's forward shares the full base parameters)")
-            self.distill = SparseAdapter(distill, model_path, self._params, torch_dtype(cfg.dtype),
-                                         cfg.grad_clip, world_size, cfg.seed)
+        self.distill = make_adapter(distill, model_path, self._params, cfg, world_size)
 
     # ---- training -------------------------------------------------------------------------
 
@@ -273,11 +265,9 @@ class Learner:
                 norm = self.engine.get_global_grad_norm()
                 norms.append(float(own_norm if norm is None or norm == 0 else norm))
                 micro += len(mb.slices)
-        if self.distill is not None:  # after the base step, as Sparrow orders them
-            t1 = time.time()
-            distill = self.distill.train_step(tensors, self.correction_cfg, temperature,
-                                              self.cfg.micro_batch_size, self.cfg.mini_batches)
-            distill["time/distill_s"] = time.time() - t1
+        distill = {} if self.distill is None else self.distill.train_step(  # after the base step
+            tensors, self.correction_cfg, temperature, self.cfg.micro_batch_size,
+            self.cfg.mini_batches)
         self.version += 1
         units = sum(u for u, _, _ in parts)
         metrics = {"loss": 0.0, **combine_weighted([(u, {"loss": l, **m}) for u, l, m in parts])}
@@ -288,9 +278,7 @@ class Learner:
             "learner/stepped": float(bool(norms)), "learner/optimizer_steps": float(len(norms)),
             "learner/micro_batches": float(micro), "learner/rows": float(resp.shape[0]),
             "learner/response_tokens": float(resp.sum()), "learner/kept_tokens": float(keep.sum()),
-            "learner/loss_units": float(units), "time/train_s": time.time() - t0})
-        if self.distill is not None:
-            metrics.update(distill)
+            "learner/loss_units": float(units), "time/train_s": time.time() - t0, **distill})
         return metrics
 
     def _unit_rows(self, keep: torch.Tensor) -> torch.Tensor:
@@ -392,21 +380,13 @@ class Learner:
 
     def weight_spec(self):
         """What the broadcast carries: the parameters, then the sampler's adapter, if any."""
-        spec = [(n, tuple(getattr(p, "ds_shape", p.shape)), p.dtype)
-                for n, p in self._params.items()]
-        return spec + (self.distill.spec() if self.distill is not None else [])
-
-    def _sent(self) -> list[tuple[str, torch.Tensor]]:
-        """The tensors of one broadcast (``weight_spec``'s names), ZeRO 0-2."""
-        extra = self.distill.named() if self.distill is not None else []
-        return self.named_weights() + extra
+        return [(n, tuple(getattr(p, "ds_shape", p.shape)), p.dtype)
+                for n, p in self._params.items()] + (self.distill.spec() if self.distill else [])
 
     def state_checksum(self) -> float:
         """``common.modeling.checksum`` of what the broadcast carries (ZeRO-3: a collective)."""
-        sums = self._abs_sums()
-        for name, t in (self.distill.named() if self.distill is not None else []):
-            sums[name] = float(t.float().abs().sum())
-        return checksum_of_sums(sums)
+        extra = self.distill.abs_sums() if self.distill is not None else {}
+        return checksum_of_sums({**self._abs_sums(), **extra})
 
     def save_hf(self, path: str) -> str | None:
         """Rank 0 writes an HF model directory (safetensors, config, generation config and the
@@ -422,7 +402,7 @@ class Learner:
         self.engine.module.hf.save_pretrained(str(out), state_dict=state)
         load_tokenizer(self.model_path).save_pretrained(str(out))
         if self.distill is not None:  # the model stays the base; the sampler's adapter beside it
-            self.distill.save(out / ADAPTER_DIR, optimizer=False)
+            self.distill.save(out, optimizer=False)
         return str(out)
 
     # ---- checkpoints (all ranks) ----------------------------------------------------------
@@ -436,7 +416,7 @@ class Learner:
         self.engine.save_checkpoint(str(path), tag=tag,
                                     client_state={"version": self.version, "rng": rng})
         if self.distill is not None and self.rank == 0:  # replicated on every rank
-            self.distill.save(Path(path) / tag / ADAPTER_DIR)
+            self.distill.save(Path(path) / tag)
         return str(Path(path) / tag)
 
     def load_checkpoint(self, path: str, tag: str | None = None) -> int:
@@ -447,11 +427,7 @@ class Learner:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {path} (tag {tag!r})")
         self.version = int(client["version"])
         if self.distill is not None:
-            adapter = Path(path) / (tag or f"v{self.version}") / ADAPTER_DIR
-            if not (adapter / "adapter_model.safetensors").is_file():
-                raise FileNotFoundError(f"rollout.distill_sparse is enabled but the checkpoint has "
-                                        f"no adapter at {adapter} (saved without DistillSparse)")
-            self.distill.load(adapter)
+            self.distill.load(Path(path) / (tag or f"v{self.version}"))
         rng = client.get("rng") or {}
         if rng.get("torch") is not None:
             torch.set_rng_state(rng["torch"])
@@ -491,7 +467,8 @@ class Learner:
         if self._sender is None:
             raise RuntimeError("init_weight_sync was not called on learner rank 0")
         if not self._zero3:
-            self._sender.send(self._sent(), self.version)
+            self._sender.send(self.named_weights() + (self.distill.named() if self.distill else []),
+                              self.version)
             return self.version
         self._sender.send_streamed(self._full, self.version)
         return self.version
