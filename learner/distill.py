@@ -158,11 +158,12 @@ class SparseAdapter:
 
     def train_step(self, tensors: dict, correction_cfg, temperature: float,
                    micro_batch_size: int, mini_batches: int = 1) -> dict[str, float]:
-        """One adapter step per mini-batch (``mini_batch`` 0 .. ``mini_batches`` - 1; every rank
-        steps for each, rows or not: the gradient sum is a collective) of this rank's rows,
-        after the base step: PPO on the sparse log-probs against the sampler's recorded ones plus ``kl_coef`` x
-        k3 KL to the dense old log-probs, token mean over the mini-batch's response tokens (all
-        ranks). Returns distill/* metrics (token-weighted means over the whole batch)."""
+        """After the base step, one adapter step per mini-batch (``mini_batch`` 0 ..
+        ``mini_batches`` - 1; every rank steps for each, rows or not: the gradient sum is a
+        collective) on this rank's rows: PPO on the sparse log-probs against the sampler's
+        recorded ones plus ``kl_coef`` x k3 KL to the dense old log-probs, token mean over the
+        mini-batch's response tokens (all ranks). Returns distill/* metrics (token-weighted
+        means over this rank's rows)."""
         from correction import policy_loss
 
         t0 = time.time()

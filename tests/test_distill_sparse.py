@@ -22,8 +22,8 @@ from learner.config import LearnerConfig
 from tasks.base import Problem
 
 torch.set_num_threads(1)
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache",
-                                                           "torch_extensions"))
+os.environ.setdefault("TORCH_EXTENSIONS_DIR",
+                      os.path.join(os.path.dirname(__file__), "..", ".cache", "torch_extensions"))
 _PORT = 29731  # DeepSpeed's default group: one per process, shared with test_learner_single
 KV = dict(policy="rkv", budget=10, compress_every=4)
 PROBLEMS = [Problem(0, "1+2=", "3"), Problem(7, "hello world", "o"), Problem(9, "ab", "zz")]
@@ -45,7 +45,8 @@ def model_dir(tmp_path_factory):
 
 def make_actor(model_dir, enabled=True, **kw):
     cfg = RolloutConfig(model_path=model_dir, samples_per_prompt=4, max_new_tokens=24,
-                        kv=KVConfig(**KV), distill_sparse=DistillSparseConfig(enabled=enabled, **kw))
+                        kv=KVConfig(**KV),
+                        distill_sparse=DistillSparseConfig(enabled=enabled, **kw))
     actor = RolloutActor(cfg, task_cfg=None, model_path=model_dir)
     actor._task = Contains()
     return actor
@@ -53,7 +54,8 @@ def make_actor(model_dir, enabled=True, **kw):
 
 def random_adapter(actor, seed=0, scale=0.5) -> list:
     g = torch.Generator().manual_seed(seed)
-    return [(n, scale * torch.randn(t.shape, generator=g)) for n, t in actor.adapter.tensors.items()]
+    return [(n, scale * torch.randn(t.shape, generator=g))
+            for n, t in actor.adapter.tensors.items()]
 
 
 def scored_batch(actor, model_dir, batch=0):
@@ -66,7 +68,8 @@ def scored_batch(actor, model_dir, batch=0):
 # ---- config -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw,key", [
     ({"rank": 0}, "rollout.distill_sparse.rank"), ({"alpha": 0.0}, "rollout.distill_sparse.alpha"),
-    ({"lr": 0.0}, "rollout.distill_sparse.lr"), ({"kl_coef": -1.0}, "rollout.distill_sparse.kl_coef"),
+    ({"lr": 0.0}, "rollout.distill_sparse.lr"),
+    ({"kl_coef": -1.0}, "rollout.distill_sparse.kl_coef"),
     ({"target_modules": []}, "rollout.distill_sparse.target_modules"),
     ({"target_modules": ["q_proj", "q_proj"]}, "rollout.distill_sparse.target_modules"),
     ({"target_modules": ["lm_head"]}, "rollout.distill_sparse.target_modules")])
@@ -156,7 +159,8 @@ def test_the_adapter_changes_only_the_samplers_distribution(model_dir):
     assert _same_eval(plain, dist)                                        # dense decoding
     dense_a, dense_c = plain._dense_sampler_logprobs, dist._dense_sampler_logprobs
     outs = dist._generate(PROBLEMS, 2, greedy=False, batch=5)[0]
-    assert torch.allclose(torch.tensor(sum(dense_a(outs), [])), torch.tensor(sum(dense_c(outs), [])))
+    assert torch.allclose(torch.tensor(sum(dense_a(outs), [])),
+                          torch.tensor(sum(dense_c(outs), [])))
 
 
 def _same_eval(plain, dist) -> bool:
@@ -308,7 +312,8 @@ def test_train_py_with_distill_sparse_trains_the_adapter_and_resumes(tiny_model,
     run(f"resume={run_dir}", "run.steps=3")
     resumed = next(p for p in out.iterdir() if p != run_dir)
     again = load_file(str(resumed / "final" / "distill_sparse" / "adapter_model.safetensors"))
-    assert set(again) == set(adapter) and any(not torch.equal(again[k], adapter[k]) for k in adapter)
+    assert set(again) == set(adapter)
+    assert any(not torch.equal(again[k], adapter[k]) for k in adapter)
 
 
 def test_bench_trains_an_adapter_and_measures_exact_agreement(model_dir, tmp_path):
