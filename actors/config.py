@@ -202,6 +202,38 @@ class VLLMConfig:
                                   f"{engine.value} (a vLLM-only key)")
 
 
+# Linear layers of a decoder block a LoRA adapter may wrap (Qwen2/2.5, Qwen3, Llama names)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class DistillSparseConfig:
+    """DistillSparse (Sparrow, Zhou et al. 2026; issue 14): a LoRA adapter used only by the sparse
+    sampler. The learner trains it on the sparse rollouts (PPO loss on the sparse log-probs,
+    recomputed under each sample's recorded kept sets, plus ``kl_coef`` x k3 KL(sparse || dense)),
+    the broadcast carries it, and rollout actors merge it into their sampler's weights; the
+    scorer, the learner's main loss and dense evaluation never use it (``learner/distill.py``)."""
+    enabled: bool = False          # train and sample with the sparse sampler's LoRA adapter
+    rank: int = 8                  # LoRA rank r
+    alpha: float = 16.0            # LoRA alpha: the update is (alpha / r) * B @ A
+    # linear layers of every decoder block that get an adapter (names in LORA_TARGETS)
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj",
+                                                               "o_proj"])
+    lr: float = 1e-4               # AdamW learning rate of the adapter (its own optimiser)
+    kl_coef: float = 0.001         # lambda of the k3 KL(sparse || dense) term (Sparrow: 0.001)
+
+    def validate(self, prefix: str = "rollout.distill_sparse") -> None:
+        check_range(f"{prefix}.rank", self.rank, lo=1, hi=4096)
+        check_range(f"{prefix}.alpha", self.alpha, lo=0.0, lo_open=True)
+        check_range(f"{prefix}.lr", self.lr, lo=0.0, hi=1.0, lo_open=True)
+        check_range(f"{prefix}.kl_coef", self.kl_coef, lo=0.0)
+        targets = list(self.target_modules)
+        if not targets or any(t not in LORA_TARGETS for t in targets) or \
+                len(set(targets)) != len(targets):
+            raise ConfigError(f"{prefix}.target_modules", targets,
+                              f"a non-empty list of distinct names from {list(LORA_TARGETS)}")
+
+
 @dataclass
 class RolloutConfig:
     engine: EngineKind = EngineKind.native
@@ -234,6 +266,7 @@ class RolloutConfig:
     # max_new_tokens beyond max_position_embeddings is refused at start-up.
     max_prompt_tokens: int = 0
     overlong_prompt: OverlongPrompt = OverlongPrompt.drop
+    distill_sparse: DistillSparseConfig = field(default_factory=DistillSparseConfig)
 
     def __post_init__(self) -> None:
         _coerce(self, "rollout", {"engine": EngineKind, "logprob_mode": LogprobMode, "dtype": Dtype,
@@ -264,6 +297,7 @@ class RolloutConfig:
         self.kv.validate(f"{prefix}.kv")
         engine = _enum(f"{prefix}.engine", EngineKind, self.engine)
         self.vllm.validate(f"{prefix}.vllm")
+        self._validate_distill(prefix, engine)
         self.vllm.check_unused(f"{prefix}.vllm", engine)
         if engine == EngineKind.vllm:
             need = max(longest_prompt(self), 1) + self.max_new_tokens
@@ -286,6 +320,23 @@ class RolloutConfig:
             from actors.vllm.kv import check_policy  # imports no vLLM
 
             check_policy(self.kv, f"{prefix}.kv")
+
+
+    def _validate_distill(self, prefix: str, engine: EngineKind) -> None:
+        """The adapter needs the native engine (it records the kept sets the learner recomputes
+        the sparse log-probs under) and a compressing policy (a dense sampler has nothing to
+        distil: its log-probs are the dense ones)."""
+        d = self.distill_sparse
+        d.validate(f"{prefix}.distill_sparse")
+        if not d.enabled:
+            return
+        if engine != EngineKind.native:
+            raise ConfigError(f"{prefix}.distill_sparse.enabled", True,
+                              f"false with {prefix}.engine={engine.value} (DistillSparse needs "
+                              "the native engine's kept sets)")
+        if KVPolicy(self.kv.policy) == KVPolicy.dense:
+            raise ConfigError(f"{prefix}.distill_sparse.enabled", True,
+                              f"false with {prefix}.kv.policy=dense (no sparse sampler to adapt)")
 
 
 @dataclass

@@ -42,6 +42,12 @@ class RolloutActor(ReceivesWeights):
         self.model_path = model_path or self.cfg.model_path
         self.actor_id = actor_id
         self.engine = make_engine(self.cfg, self.model_path)
+        # DistillSparse: the sparse sampler runs base + LoRA adapter on a copy of the model
+        self.adapter = None
+        if self.cfg.distill_sparse.enabled:
+            from actors.sampler_adapter import SamplerAdapter
+
+            self.adapter = SamplerAdapter(self.cfg, self.engine)
         self.tokenizer = load_tokenizer(self.model_path)
         # chat template + length rule (the driver already dropped or refused over-long prompts)
         self.prompts = PromptEncoder.from_config(self.tokenizer, self.cfg,
@@ -88,12 +94,17 @@ class RolloutActor(ReceivesWeights):
                                        self.cfg.batch_size)
         return self._dense
 
+    def _sampler(self):
+        """The sparse sampler: with DistillSparse the engine over base + adapter, which also
+        records every sample's kept sets."""
+        return self.adapter.engine if self.adapter is not None else self.engine
+
     def _generate(self, problems, samples: int, greedy: bool, dense: bool = False,
                   batch: int | None = None):
         prompts = [self.prompts.encode(p.prompt) for p in problems]
         expanded = [ids for ids in prompts for _ in range(samples)]
         params = self._params(greedy, batch)
-        engine = self._dense_engine() if dense else self.engine
+        engine = self._dense_engine() if dense else self._sampler()
         t0 = time.perf_counter()
         outs = engine.generate(expanded, params)
         return outs, (time.perf_counter() - t0), params
@@ -131,6 +142,7 @@ class RolloutActor(ReceivesWeights):
         dense = self._dense_sampler_logprobs(outs) if self.cfg.dense_logprobs else None
         rewards = self._rewards(outs, [problems[j // g].answer for j in range(len(outs))])
         agreement = self._probe(outs, params, batch)   # {row: alpha per token}, probe rows
+        evicted = self.adapter.evictions(outs) if self.adapter is not None else None
         rows = []
         for j, (out, (reward, fault)) in enumerate(zip(outs, rewards)):
             prob = problems[j // g]
@@ -149,6 +161,8 @@ class RolloutActor(ReceivesWeights):
             })
             if dense is not None:
                 rows[-1]["dense_sampler_logprobs"] = dense[j]
+            if evicted is not None:
+                rows[-1]["kv_evictions"] = evicted[j]
         return rows
 
     # ---- KV budget schedule (issue 14) -------------------------------------------------------
@@ -222,7 +236,8 @@ class RolloutActor(ReceivesWeights):
 
     def evaluate(self, problems, greedy: bool = True, dense: bool = True) -> dict:
         """One sample per problem (greedy, or sampled at the rollout temperature), decoded with a
-        dense cache unless ``dense=False`` (then with the rollout KV policy)."""
+        dense cache unless ``dense=False`` (then with the rollout KV policy: the sparse sampler,
+        with the DistillSparse adapter when there is one; the dense decode never has it)."""
         self._swap_staged()
         if not problems:
             return {"accuracy": 0.0, "num_problems": 0}
@@ -239,19 +254,32 @@ class RolloutActor(ReceivesWeights):
     def weight_spec(self):
         from cluster.weight_sync import weight_spec
 
-        return weight_spec(self.engine.model)
+        extra = self.adapter.spec() if self.adapter is not None else []
+        return weight_spec(self.engine.model) + extra
 
     def _weight_template(self) -> dict:
         """What a broadcast is staged like: the engine's parameters (for vLLM its meta-device HF
         skeleton, staged on the weight-sync group's device)."""
-        return dict(self.engine.model.named_parameters())
+        extra = self.adapter.tensors if self.adapter is not None else {}
+        return {**dict(self.engine.model.named_parameters()), **extra}
 
     def load_weights(self, named_tensors, version: int) -> None:
-        """Copy named tensors into the model (an empty list: they were received in place)."""
+        """Copy named tensors into the model (an empty list: they were received in place); with
+        DistillSparse the adapter's go to the sampler, which is then rebuilt."""
+        if self.adapter is not None:
+            named_tensors = self.adapter.take(named_tensors)
         self.engine.load_weights(named_tensors, version)
+        if self.adapter is not None:
+            self.adapter.apply(version)
         if self._dense is not None and self._dense is not self.engine:  # same model, own caches
             self._dense.load_weights([], version)
         self.version = int(version)
 
     def state_checksum(self) -> float:
-        return self.engine.state_checksum()
+        """Checksum of what the broadcast carries: the base weights (and the adapter)."""
+        if self.adapter is None:
+            return self.engine.state_checksum()
+        from common.modeling import checksum
+
+        return checksum(list(self.engine.model.named_parameters())
+                        + list(self.adapter.tensors.items()))

@@ -101,7 +101,7 @@ class ScorerActor(ReceivesWeights):
     log-probs under a frozen copy of that model (the initial policy; module docstring)."""
 
     def __init__(self, cfg, model_path: str, temperature: float = 1.0,
-                 ref_model_path: str | None = None):
+                 ref_model_path: str | None = None, adapter=None):
         if temperature <= 0:
             raise ValueError(f"scorer temperature must be > 0 (the rollout's), got {temperature}")
         torch.set_num_threads(1)  # one thread per actor process: 2-core machines oversubscribe
@@ -116,6 +116,13 @@ class ScorerActor(ReceivesWeights):
             self.ref.requires_grad_(False)
         self.version = 0
         self._label = "scorer"
+        # The broadcast also carries the sparse sampler's LoRA adapter (rollout.distill_sparse):
+        # the scorer receives it (one spec for every receiver) and never applies it, since the
+        # old log-probs must be the dense policy's; it only enters the checksum.
+        from common.lora import adapter_spec
+
+        self._adapter = {n: torch.zeros(shape, dtype=dt, device=self.device)
+                         for n, shape, dt in adapter_spec(self.model, adapter)}
 
     # ---- scoring ----------------------------------------------------------------------------
 
@@ -140,20 +147,24 @@ class ScorerActor(ReceivesWeights):
     def weight_spec(self):
         from cluster.weight_sync import weight_spec
 
-        return weight_spec(self.model)
+        return weight_spec(self.model) + [(n, tuple(t.shape), t.dtype)
+                                          for n, t in self._adapter.items()]
 
     def _weight_template(self) -> dict:
-        return dict(self.model.named_parameters())
+        return {**dict(self.model.named_parameters()), **self._adapter}
 
     @torch.no_grad()
     def load_weights(self, named_tensors, version: int) -> None:
         """Copy named tensors (HF names) into the model, casting to its dtype and device."""
         params = dict(self.model.named_parameters())
         for name, tensor in named_tensors:
+            if name in self._adapter:   # kept, never applied (see __init__)
+                self._adapter[name].copy_(tensor)
+                continue
             if name not in params:
                 raise KeyError(f"scorer load_weights: model has no parameter {name!r}")
             params[name].copy_(tensor.to(device=params[name].device, dtype=params[name].dtype))
         self.version = int(version)
 
     def state_checksum(self) -> float:
-        return checksum(self.model.named_parameters())
+        return checksum(list(self.model.named_parameters()) + list(self._adapter.items()))

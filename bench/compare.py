@@ -66,8 +66,8 @@ ARMS = (
                               "rollout.kv.probe_share=0.125"),
         requires="rollout.kv.schedule"),
     Arm("distill_sparse", ("rollout.kv.policy=rkv", "rollout.kv.budget={budget}",
-                           "correction.method=sparse_rl", "correction.distill.enabled=true"),
-        requires="correction.distill"),
+                           "correction.method=sparse_rl", "rollout.distill_sparse.enabled=true"),
+        requires="rollout.distill_sparse"),
 )
 
 # --quick: the e2e tests' few-second job (tests/conftest.py SMALL_JOB), 2 steps

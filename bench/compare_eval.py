@@ -25,7 +25,8 @@ COLUMNS = ("acc_dense_decode", "acc_sparse_decode", "acc_base", "acc_base_sparse
 def decode_accuracy(model_dir: Path, run_dir: Path, budget: int) -> dict:
     """Held-out accuracy of ``model_dir`` on ``run_dir``'s evaluation problems (its task,
     ``run.eval_problems``, ``run.eval_greedy``), decoded with a dense cache and with R-KV at
-    ``budget`` (the run's other KV settings), and the mean peak KV bytes per sequence of each."""
+    ``budget`` (the run's other KV settings; a DistillSparse run's sparse decode with the adapter
+    saved beside the model), and the mean peak KV bytes per sequence of each."""
     from actors.config import KVPolicy
     from actors.rollout import RolloutActor
     from launch.config import load_config
@@ -38,6 +39,11 @@ def decode_accuracy(model_dir: Path, run_dir: Path, budget: int) -> dict:
     _, encoder = check_model(cfg)
     _, evals, _ = task_prompts(make_task(cfg.task), encoder, cfg.run.eval_problems)
     actor = RolloutActor(cfg.rollout, cfg.task, model_path=str(model_dir))
+    adapter = Path(model_dir) / "distill_sparse"   # DistillSparse: the sparse decode uses it
+    if cfg.rollout.distill_sparse.enabled and adapter.is_dir():
+        from common.lora import read_adapter
+
+        actor.load_weights(list(read_adapter(adapter).items()), 0)
     dense = actor.evaluate(evals["heldout"], cfg.run.eval_greedy, dense=True)
     sparse = actor.evaluate(evals["heldout"], cfg.run.eval_greedy, dense=False)
     return {"dense": dense["accuracy"], "sparse": sparse["accuracy"],

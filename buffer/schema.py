@@ -57,6 +57,9 @@ SCHEMA = pa.schema([
     # exact per-token agreement 1 - TV of the sparse and dense next-token distributions, len =
     # response; probe rows only (rollout.kv.probe_share), null elsewhere
     pa.field("kv_agreement", LP),
+    # DistillSparse (rollout.distill_sparse): the sampler's kept sets as eviction points, flat
+    # [L * Hkv * (prompt_len + response_len)] (actors/native/reference.evictions); null otherwise
+    pa.field("kv_evictions", IDS),
 ])
 
 LOG_SCHEMA = pa.schema([
@@ -168,6 +171,11 @@ def _check_lengths(b: pa.RecordBatch) -> None:
     for col in ("old_logprobs", "ref_logprobs", "dense_sampler_logprobs"):
         if b.column(col).null_count < b.num_rows:
             checks.append((col, pc.list_value_length(b.column(col)), resp))
+    ev = b.column("kv_evictions")
+    if ev.null_count < b.num_rows:   # a whole number of (layer, head) rows over the sequence
+        seq = pc.add(resp, b.column("prompt_len").cast(pa.int32())).cast(pa.int64())
+        n = pc.list_value_length(ev).cast(pa.int64())
+        checks.append(("kv_evictions", pc.multiply(pc.divide(n, seq), seq), n.cast(pa.int32())))
     for name, got, want in checks:
         bad = pc.fill_null(pc.not_equal(got.cast(pa.int32()), want), False)
         if pc.any(bad).as_py():

@@ -19,7 +19,7 @@ import torch
 
 # Columns a producer may fill for some rows only (e.g. rows from before rollout.dense_logprobs
 # was turned on): the key is given only when every row has them, never an error.
-_OPTIONAL = ("dense_sampler_logprobs",)
+_OPTIONAL = ("dense_sampler_logprobs", "kv_evictions")
 
 
 def _as_batch(batch: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
@@ -59,7 +59,9 @@ def to_tensors(batch: pa.RecordBatch | pa.Table, pad_id: int) -> dict[str, torch
     sampler's version; only if every row has them, left out otherwise), rewards [B] float32,
     group_index [B] int64 (0..n_groups-1 in order of first appearance), policy_version [B]
     int64, scorer_version [B] int64 (-1 where unscored; when the batch has the column),
-    prompt_lens/response_lens [B].
+    prompt_lens/response_lens [B], kv_evictions [B, L*Hkv, T] int32 (the sparse sampler's kept
+    sets, ``actors.native.reference.evictions``, -1 = never evicted, also on padding; only if
+    every row has them).
     """
     b = _as_batch(batch)
     n = b.num_rows
@@ -102,4 +104,28 @@ def to_tensors(batch: pa.RecordBatch | pa.Table, pad_id: int) -> dict[str, torch
         dense = torch.zeros((n, t), dtype=torch.float32)
         dense[rr, rc] = _flat(col, np.float32)
         out[name] = dense
+    ev = _evictions(b, total, t)
+    if ev is not None:
+        out["kv_evictions"] = ev
+    return out
+
+
+def _evictions(b: pa.RecordBatch, total: torch.Tensor, t: int) -> torch.Tensor | None:
+    """The rows' flat ``kv_evictions`` lists as [B, L*Hkv, T] (every row the same L*Hkv)."""
+    if "kv_evictions" not in b.schema.names or b.num_rows == 0:
+        return None
+    col = b.column("kv_evictions")
+    if col.null_count:
+        return None
+    lens = _lengths(col)
+    lh = lens // total.clamp(min=1)
+    if not torch.equal(lh * total, lens) or not bool((lh == lh[0]).all()):
+        raise ValueError("to_tensors: 'kv_evictions' lengths are not one (layer, head) count "
+                         "times each row's prompt + response length")
+    out = torch.full((b.num_rows, int(lh[0]), t), -1, dtype=torch.int32)
+    rows = torch.repeat_interleave(torch.arange(b.num_rows), lens)
+    within = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens,
+                                                                      lens)
+    seq = total[rows]
+    out[rows, within // seq, within % seq] = _flat(col, np.int32)
     return out

@@ -71,7 +71,8 @@ def build_pools(cfg, run_dir: str) -> Pools:
     learner_cls = ray.remote(**opts)(pinned(Learner, c.learner_cores))
     pools.learners = [
         learner_cls.options(**placement.options(pools.slots["learner"][r])).remote(
-            cfg.learner, cfg.correction, cfg.rollout.model_path, rank=r, world_size=n_learn)
+            cfg.learner, cfg.correction, cfg.rollout.model_path, rank=r, world_size=n_learn,
+            distill=cfg.rollout.distill_sparse)
         for r in range(n_learn)]
     wait_placed([(f"learner {i}", a) for i, a in enumerate(pools.learners)],
                 c.placement_timeout_s)
@@ -165,7 +166,7 @@ def spawn_scorer(cfg, slot=None):
         pinned(ScorerActor, c.scorer_cores))
     ref = cfg.rollout.model_path if needs_reference(cfg) else None
     return cls.remote(cfg.scorer, cfg.rollout.model_path, cfg.rollout.temperature,
-                      ref_model_path=ref)
+                      ref_model_path=ref, adapter=cfg.rollout.distill_sparse)
 
 
 def needs_reference(cfg) -> bool:

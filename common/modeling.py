@@ -43,7 +43,7 @@ LOGPROB_CHUNK_TOKENS = 1024  # response tokens whose [tokens, vocab] logits exis
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    temperature: float = 1.0, *, response_mask: torch.Tensor | None = None,
                    with_entropy: bool = False, chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
-                   min_chunks: int = 0):
+                   min_chunks: int = 0, decoder_kwargs: dict | None = None):
     """Per-position log p(input_ids[:, t] | input_ids[:, :t]) under softmax(logits / temperature).
 
     Returns a [B, T] float32 tensor aligned with ``input_ids``; position 0 (no context) is 0. With
@@ -58,11 +58,14 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     ``min_chunks``: run at least that many LM-head calls (the extra ones on no rows), so
     data-parallel ranks whose every head call is a collective (ZeRO-3) call it equally often.
     log p = z_y - logsumexp(z), z = logits / temperature: the same numbers as ``log_softmax``.
+    ``decoder_kwargs`` go to the decoder's forward (transformers hands them to the attention
+    function: the sparse sampler's kept sets, ``learner/distill.py``).
     """
     # position_ids from the mask so left or right padding gives the same positions as generation.
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                 position_ids=position_ids).last_hidden_state
+                                 position_ids=position_ids,
+                                 **(decoder_kwargs or {})).last_hidden_state
     want = attention_mask if response_mask is None else response_mask
     sel = want[:, 1:] > 0                                  # token t is predicted at t - 1
     h, targets = hidden[:, :-1][sel], input_ids[:, 1:][sel]

@@ -180,10 +180,13 @@ class Learner:
 
     def __init__(self, cfg: LearnerConfig, correction_cfg, model_path: str, rank: int = 0,
                  world_size: int = 1, master_addr: str = "127.0.0.1",
-                 master_port: int | None = None, local_rank: int | None = None):
+                 master_port: int | None = None, local_rank: int | None = None, distill=None):
         """With ``master_port`` the DeepSpeed group forms here, at (master_addr, master_port).
         Without it (on Ray, ``cluster.pools.build_pools``) it forms at ``start``, on the address
-        and port rank 0's ``listen`` picked on its own node (``cluster/rendezvous.py``)."""
+        and port rank 0's ``listen`` picked on its own node (``cluster/rendezvous.py``).
+        ``distill``: the ``rollout.distill_sparse`` section; enabled, this rank also trains the
+        sparse sampler's LoRA adapter (``learner/distill.py``) after each base step and sends it
+        with the weights."""
         cfg.validate("learner")
         if world_size != cfg.num_learners:
             raise ValueError(f"world_size={world_size} but learner.num_learners={cfg.num_learners}")
@@ -195,6 +198,7 @@ class Learner:
             local_rank = rank % torch.cuda.device_count() if torch.cuda.device_count() > 1 else 0
         self.local_rank = local_rank
         self._sender = self._endpoint = self._ws_endpoint = None
+        self._distill_cfg, self.distill = distill, None  # the adapter is built in ``start``
         if master_port is not None:
             self.start(master_addr, master_port)
 
@@ -249,6 +253,10 @@ class Learner:
         _reset_adam_step_counts(opt)
         self.init_seconds = time.time() - t0
         self._params = dict(self.engine.module.named_parameters())
+        from learner.distill import make_adapter
+
+        self.distill = make_adapter(self._distill_cfg, self.model_path, self._params, cfg,
+                                    world_size)
         return self.init_seconds
 
     # ---- training -------------------------------------------------------------------------
@@ -303,6 +311,9 @@ class Learner:
                 self.engine.step()
                 norm = self.engine.get_global_grad_norm()
                 norms.append(float(own_norm if norm is None or norm == 0 else norm))
+        distill = {} if self.distill is None or any(skipped.values()) else \
+            self.distill.train_step(tensors, self.correction_cfg, temperature,  # after the base step
+                                    self.cfg.micro_batch_size, self.cfg.mini_batches)
         self.version += 1
         units = sum(u for u, _, _ in parts)
         metrics = {"loss": 0.0, **combine_weighted([(u, {"loss": l, **m}) for u, l, m in parts])}
@@ -315,7 +326,7 @@ class Learner:
             "learner/skipped_loss": float(skipped[LOSS]), "learner/skipped_grad": float(skipped[GRAD]),
             "learner/micro_batches": float(micro), "learner/rows": float(resp.shape[0]),
             "learner/response_tokens": float(resp.sum()), "learner/kept_tokens": float(keep.sum()),
-            "learner/loss_units": float(units), "time/train_s": time.time() - t0})
+            "learner/loss_units": float(units), "time/train_s": time.time() - t0, **distill})
         return metrics
 
     def _unit_rows(self, keep: torch.Tensor) -> torch.Tensor:
@@ -424,12 +435,14 @@ class Learner:
         return out
 
     def weight_spec(self):
+        """What the broadcast carries: the parameters, then the sampler's adapter, if any."""
         return [(n, tuple(getattr(p, "ds_shape", p.shape)), p.dtype)
-                for n, p in self._params.items()]
+                for n, p in self._params.items()] + (self.distill.spec() if self.distill else [])
 
     def state_checksum(self) -> float:
-        """``common.modeling.checksum`` of the full weights (ZeRO-3: a collective)."""
-        return checksum_of_sums(self._abs_sums())
+        """``common.modeling.checksum`` of what the broadcast carries (ZeRO-3: a collective)."""
+        extra = self.distill.abs_sums() if self.distill is not None else {}
+        return checksum_of_sums({**self._abs_sums(), **extra})
 
     def check_finite(self, optimizer: bool = True, collective: bool = True) -> None:
         """Raise ``TrainingFault`` naming a tensor when a weight (and, with ``optimizer``, an
@@ -464,6 +477,8 @@ class Learner:
         out.mkdir(parents=True, exist_ok=True)
         self.engine.module.hf.save_pretrained(str(out), state_dict=state)
         load_tokenizer(self.model_path).save_pretrained(str(out))
+        if self.distill is not None:  # the model stays the base; the sampler's adapter beside it
+            self.distill.save(out, optimizer=False)
         return str(out)
 
     # ---- checkpoints (all ranks) ----------------------------------------------------------
@@ -478,6 +493,8 @@ class Learner:
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         self.engine.save_checkpoint(str(path), tag=tag,
                                     client_state={"version": self.version, "rng": rng})
+        if self.distill is not None and self.rank == 0:  # replicated on every rank
+            self.distill.save(Path(path) / tag)
         return str(Path(path) / tag)
 
     def load_checkpoint(self, path: str, tag: str | None = None) -> int:
@@ -487,6 +504,8 @@ class Learner:
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {path} (tag {tag!r})")
         self.version = int(client["version"])
+        if self.distill is not None:
+            self.distill.load(Path(path) / (tag or f"v{self.version}"))
         rng = client.get("rng") or {}
         if rng.get("torch") is not None:
             torch.set_rng_state(rng["torch"])
@@ -541,7 +560,8 @@ class Learner:
         if self._sender is None:
             raise RuntimeError("init_weight_sync was not called on learner rank 0")
         if not self._zero3:
-            self._sender.send(self.named_weights(), self.version)
+            self._sender.send(self.named_weights() + (self.distill.named() if self.distill else []),
+                              self.version)
             return self.version
         self._sender.send_streamed(self._full, self.version)
         return self.version

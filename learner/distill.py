@@ -1,0 +1,267 @@
+"""DistillSparse on the learner side: the sparse sampler's LoRA adapter and its training step.
+
+Sparrow (Zhou et al. 2026, ``verl/workers/actor/dp_sparseloraactor.py``) trains a LoRA adapter that
+only the sparse rollout engine uses: per mini-batch the base weights first take the normal step
+with the adapter disabled, then the adapter alone takes a step on the *sparse* log-probs of the
+same rollouts (its training forward runs the same sparse attention as its rollouts) with
+
+    loss = PPO(sparse log-probs vs the sampler's, the batch's advantages)
+           + lambda * k3 KL(sparse || dense)   (lambda = 0.001, "low_var_kl", dense = the old,
+                                                pre-step dense log-probs)
+
+Our sampler's sparsity comes from KV eviction, which a teacher-forced forward cannot re-decide, so
+the rollout records where each key was evicted (``actors.native.reference.evictions``, row column
+``kv_evictions``) and the adapter's forward attends only to what the sampler saw at each step,
+per layer and KV head (the ``sparse_kept_sets`` attention function below). In float32 with a zero
+adapter this reproduces the sampler's log-probs exactly (tests/test_distill_sparse.py), so the
+PPO ratio is a true sparse-policy ratio.
+
+The adapter lives in a second HF model wrapped by peft whose base parameters *share storage* with
+the DeepSpeed engine's (re-tied before every use: no copy, always the current base weights, frozen
+here). So the adapter gets gradients only from this loss and the base weights only from the main
+loss, by construction. ZeRO-3 (partitioned parameters) is refused at config load.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from common import lora
+from common.modeling import load_model, token_logprobs
+
+ATTN = "sparse_kept_sets"
+ADAPTER_DIR = "distill_sparse"   # the adapter's peft folder beside an HF export / in a checkpoint
+
+
+def kept_sets_attention(module, query, key, value, attention_mask, scaling, dropout=0.0,
+                        kv_evictions=None, **kwargs):
+    """transformers attention function: causal attention restricted per layer and KV head to the
+    keys the sparse sampler still held (``kv_evictions`` [B, L * Hkv, T], see module doc). HF
+    builds no mask for an unregistered mask type, so rows are right-padded: a padded key comes
+    after every real query and the causal rule already hides it."""
+    from actors.native.reference import kept_visibility
+
+    if kv_evictions is None:
+        raise ValueError(f"attention '{ATTN}' needs kv_evictions (the sampler's kept sets)")
+    b, hq, t, _ = query.shape
+    hkv = key.shape[1]
+    ev = kv_evictions.view(b, -1, hkv, kv_evictions.shape[-1])[:, module.layer_idx, :, :t]
+    g = hq // hkv
+    vis = kept_visibility(ev.to(query.device)).repeat_interleave(g, dim=1)      # [B, Hq, T, T]
+    out = F.scaled_dot_product_attention(query, key.repeat_interleave(g, dim=1),
+                                         value.repeat_interleave(g, dim=1), attn_mask=vis,
+                                         scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN, kept_sets_attention)
+
+
+def lora_config(cfg):
+    from peft import LoraConfig
+
+    # lora_dropout 0: dropout would make the PPO ratio start away from 1; B starts at zero
+    # (peft's default init), so the sampler equals the base policy until the adapter trains
+    return LoraConfig(r=int(cfg.rank), lora_alpha=float(cfg.alpha),
+                      target_modules=list(cfg.target_modules), lora_dropout=0.0, bias="none")
+
+
+def _chunk_means(lm: dict, total: float, n: float) -> dict[str, float]:
+    """``policy_loss`` metrics of one chunk as distill/* means over its own tokens (the loss
+    terms come as shares of the mini-batch's mean: share * total / n)."""
+    share = {"loss/pg": "pg", "loss/kl_ref": "kl_dense", "loss/total": "total"}
+    own = {"loss/clipfrac": "clipfrac", "loss/ratio_mean": "ratio_mean",
+           "loss/ratio_max": "ratio_max", "loss/approx_kl_old": "approx_kl_sampler"}
+    out = {f"distill/{v}": float(lm[k]) * total / max(n, 1.0) for k, v in share.items() if k in lm}
+    out.update({f"distill/{v}": float(lm[k]) for k, v in own.items() if k in lm})
+    out["distill/num_tokens"] = n
+    return out
+
+
+def make_adapter(cfg, model_path: str, params: dict, learner_cfg, world_size: int):
+    """The learner's adapter for the ``rollout.distill_sparse`` section ``cfg`` (None: off)."""
+    from common.dtypes import torch_dtype
+
+    if cfg is None or not cfg.enabled:
+        return None
+    if int(learner_cfg.zero_stage) == 3:
+        raise ValueError("rollout.distill_sparse needs learner.zero_stage <= 2 (the adapter's "
+                         "forward shares the full base parameters)")
+    return SparseAdapter(cfg, model_path, params, torch_dtype(learner_cfg.dtype),
+                         learner_cfg.grad_clip, world_size, learner_cfg.seed)
+
+
+class SparseAdapter:
+    """The adapter (``DistillSparseConfig`` ``cfg``) over the base parameters ``base`` (HF name
+    -> the training engine's parameter, same architecture as ``model_path``)."""
+
+    def __init__(self, cfg, model_path: str, base: dict[str, torch.nn.Parameter],
+                 dtype: torch.dtype, grad_clip: float = 1.0, world_size: int = 1, seed: int = 0):
+        from peft import get_peft_model
+
+        _register()
+        self.cfg, self.grad_clip, self.world_size = cfg, float(grad_clip), int(world_size)
+        device = next(iter(base.values())).device
+        model = load_model(model_path, dtype=dtype).to(device)
+        # A's random init from ``seed`` alone (not the process's RNG stream, which it leaves
+        # untouched): every data-parallel rank and a resumed run start from the same adapter
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.model = get_peft_model(model, lora_config(cfg))
+        self.model.base_model.model.set_attn_implementation(ATTN)
+        self._base = base
+        self.tie()
+        self.params = {lora.wire_name(n): p for n, p in self.model.named_parameters()
+                       if p.requires_grad}
+        if None in self.params or not self.params:
+            raise ValueError(f"peft LoRA parameters not recognised: {list(self.params)[:4]}")
+        self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=float(cfg.lr),
+                                           weight_decay=0.0)
+
+    def tie(self) -> None:
+        """Point the peft model's frozen base parameters at the engine's current ones."""
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                continue
+            hf = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            if hf not in self._base:
+                raise KeyError(f"distill adapter: no base parameter {hf!r} for {name!r}")
+            p.data = self._base[hf].data
+
+    # ---- the weights on the wire --------------------------------------------------------------
+    def spec(self) -> list:
+        return [(n, tuple(p.shape), lora.WIRE_DTYPE) for n, p in self.params.items()]
+
+    def named(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, p.detach().to(lora.WIRE_DTYPE)) for n, p in self.params.items()]
+
+    def abs_sums(self) -> dict[str, float]:
+        """sum(|w|) per wire name (``common.modeling.checksum_of_sums``)."""
+        return {n: float(t.float().abs().sum()) for n, t in self.named()}
+
+    # ---- training -----------------------------------------------------------------------------
+    def sparse_logprobs(self, tensors: dict, rows, t: int, temperature: float) -> torch.Tensor:
+        """Sparse-policy log-probs [rows, t] of rows ``rows`` (base + adapter, kept sets)."""
+        dev = next(iter(self.params.values())).device
+        return token_logprobs(self.model, tensors["input_ids"][rows, :t].to(dev),
+                              tensors["attention_mask"][rows, :t].to(dev), temperature,
+                              response_mask=tensors["response_mask"][rows, :t].to(dev),
+                              decoder_kwargs={"kv_evictions":
+                                              tensors["kv_evictions"][rows, :, :t].to(dev)})
+
+    def train_step(self, tensors: dict, correction_cfg, temperature: float,
+                   micro_batch_size: int, mini_batches: int = 1) -> dict[str, float]:
+        """After the base step, one adapter step per mini-batch (``mini_batch`` 0 ..
+        ``mini_batches`` - 1; every rank steps for each, rows or not: the gradient sum is a
+        collective) on this rank's rows: PPO on the sparse log-probs against the sampler's
+        recorded ones plus ``kl_coef`` x k3 KL to the dense old log-probs, token mean over the
+        mini-batch's response tokens (all ranks). Returns distill/* metrics (token-weighted
+        means over this rank's rows)."""
+        from correction import policy_loss
+
+        t0 = time.time()
+        if "kv_evictions" not in tensors:
+            raise ValueError("distill_sparse: the batch has no kv_evictions (rows from a rollout "
+                             "without rollout.distill_sparse.enabled)")
+        cc = self._loss_config(correction_cfg)
+        self.tie()
+        resp = tensors["response_mask"] > 0
+        mini = tensors["mini_batch"]
+        parts, norms = [], []
+        for m in range(int(mini_batches)):
+            rows = (mini == m).nonzero().squeeze(1)
+            total = self._global_sum(float(resp[rows].sum()))
+            if total <= 0:
+                continue
+            self.optimizer.zero_grad(set_to_none=True)
+            for chunk in rows.split(int(micro_batch_size)) if rows.numel() else ():
+                t = max(2, int(tensors["attention_mask"][chunk].sum(1).max()))
+                new = self.sparse_logprobs(tensors, chunk, t, temperature)
+                keep = resp[chunk, :t].to(new.device)
+                cut = lambda k: tensors[k][chunk, :t].to(new.device).float()  # noqa: E731
+                loss, lm = policy_loss(new, cut("sampler_logprobs"), tensors["advantages"][chunk]
+                                       .to(new.device), torch.ones_like(new), keep, cc,
+                                       ref_logp=cut("old_logprobs"), denominator=total)
+                loss.backward()
+                parts.append((float(keep.sum()), _chunk_means(lm, total, float(keep.sum()))))
+            norms.append(self._step())
+        from learner.batch import combine_weighted
+
+        out = combine_weighted(parts)
+        out["distill/grad_norm"] = sum(norms) / len(norms) if norms else 0.0
+        out["distill/optimizer_steps"] = float(len(norms))
+        out["time/distill_s"] = time.time() - t0
+        return out
+
+    def _loss_config(self, correction_cfg):
+        """The main loss's clipping and ratio clamp, with the adapter's KL (k3, ``kl_coef``) and
+        neither entropy bonus nor the main loss's reference KL."""
+        from correction.config import KLEstimator, LossAggregation
+
+        cc = copy.deepcopy(correction_cfg)
+        cc.loss.kl_coef = float(self.cfg.kl_coef)
+        cc.loss.kl_estimator = KLEstimator.K3
+        cc.loss.entropy_coef = 0.0
+        cc.loss.aggregation = LossAggregation.TOKEN_MEAN
+        return cc
+
+    def _global_sum(self, x: float) -> float:
+        if self.world_size == 1:
+            return x
+        import torch.distributed as dist
+
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t)
+
+    def _step(self) -> float:
+        """Sum the adapter's gradients over ranks (each rank's loss is its share of the global
+        mean), clip, step. Returns the pre-clip norm."""
+        params = list(self.params.values())
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            for p in params:
+                dist.all_reduce(p.grad)
+        clip = self.grad_clip if self.grad_clip > 0 else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        self.optimizer.step()
+        return norm
+
+    # ---- persistence --------------------------------------------------------------------------
+    def save(self, where: str | Path, optimizer: bool = True) -> None:
+        """Into ``where/distill_sparse``: peft ``save_pretrained`` (adapter_config.json +
+        adapter_model.safetensors, loadable with ``PeftModel.from_pretrained(base, that folder)``)
+        plus the optimiser state."""
+        path = Path(where) / ADAPTER_DIR
+        self.model.save_pretrained(str(path))
+        if optimizer:
+            torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
+
+    def load(self, where: str | Path) -> None:
+        """What ``save`` wrote into ``where`` (a checkpoint without it: FileNotFoundError)."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        path = Path(where) / ADAPTER_DIR
+        if not (path / "adapter_model.safetensors").is_file():
+            raise FileNotFoundError(f"rollout.distill_sparse is enabled but the checkpoint has no "
+                                    f"adapter at {path} (saved without DistillSparse)")
+        state = load_file(str(path / "adapter_model.safetensors"))
+        result = set_peft_model_state_dict(self.model, state)
+        missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
+        if missing:
+            raise ValueError(f"adapter checkpoint {path} lacks {missing[:3]}")
+        opt = path / "optimizer.pt"
+        if opt.is_file():
+            self.optimizer.load_state_dict(torch.load(opt, weights_only=True))
