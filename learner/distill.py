@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from common import lora
-from common.modeling import load_model, token_logprobs
+from common.modeling import abs_sum, load_model, token_logprobs
 
 ATTN = "sparse_kept_sets"
 ADAPTER_DIR = "distill_sparse"   # the adapter's peft folder beside an HF export / in a checkpoint
@@ -144,7 +144,7 @@ class SparseAdapter:
 
     def abs_sums(self) -> dict[str, float]:
         """sum(|w|) per wire name (``common.modeling.checksum_of_sums``)."""
-        return {n: float(t.float().abs().sum()) for n, t in self.named()}
+        return {n: abs_sum(t) for n, t in self.named()}
 
     # ---- training -----------------------------------------------------------------------------
     def sparse_logprobs(self, tensors: dict, rows, t: int, temperature: float) -> torch.Tensor:
