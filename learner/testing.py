@@ -4,7 +4,6 @@ Kept in the package (not in a conftest) so multi-process tests can import them i
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 

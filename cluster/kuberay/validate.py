@@ -15,8 +15,7 @@ from pathlib import PurePosixPath
 import yaml
 
 from cluster.kuberay.options import DeployConfig, Group
-from cluster.kuberay.render import (CONFIG_KEY, CONFIG_MOUNT, REPO, deployed_config, pool_group,
-                                    pool_resource)
+from cluster.kuberay.render import CONFIG_KEY, CONFIG_MOUNT, REPO, deployed_config, pool_group
 
 KUBERAY_VERSION = "1.7.0"
 CRD_DIR = REPO / "tests" / "data" / f"kuberay-{KUBERAY_VERSION}"
