@@ -56,6 +56,7 @@ def main(argv: list[str]) -> dict:
     from cluster.pools import broadcast_weights, build_pools, connect_weight_sync, on_learners
     from launch.faults import Faults
     from launch.recovery import call as buffer  # a lost buffer actor is re-created, the call repeated
+    from launch.resize import apply_requested
     from launch.steps import (MetricsLog, PromptSampler, batch_metrics, buffer_depth, evaluate_sets,
                               fill_rollouts, gather_rollouts, land_rollouts, replan_schedule,
                               score_pending, sync_weights)
@@ -120,6 +121,7 @@ def main(argv: list[str]) -> dict:
         # schedule (rollout.kv.schedule) re-plans its budgets from the probes first.
         kv_plan = replan_schedule(pools, cfg, step)
         version, sync = sync_weights(pools, cfg)
+        sync |= apply_requested(run_dir, in_flight, pools, cfg, version)  # python -m launch.resize
         if not overlap:
             fill_rollouts(in_flight, pools, sampler, version, cfg.run.steps)
 

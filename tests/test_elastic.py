@@ -368,3 +368,37 @@ def _await_restart(ray, actor, timeout_s: float = 60.0) -> None:
             pass
         time.sleep(0.2)
     raise TimeoutError("the killed actor was not restarted by Ray")
+
+
+@pytest.mark.slow
+def test_a_resize_request_lands_rollouts_in_flight_then_grows_and_shrinks_the_pool(
+        ray_env, pools_cfg, tmp_path):
+    """``python -m launch.resize RUN rollout=2`` as the driver applies it between steps: the batch
+    in flight lands in the buffer first (no actor with work is removed, no sample lost), the new
+    actor holds the learner's weights, the config records the size; then back to one."""
+    ray, _ = ray_env
+    from collections import deque
+
+    from buffer import BufferConfig, ReplayBuffer
+    from cluster.pools import broadcast_weights
+    from launch.resize import REQUEST, apply_requested, request
+    from launch.steps import PromptSampler, launch_rollouts
+
+    pools, cfg = pools_cfg
+    pools.buffer = ray.remote(num_cpus=0)(ReplayBuffer).remote(BufferConfig())
+    (tmp_path / "config.yaml").write_text("{}")
+    v = train_step(ray, pools, seed=11)
+    broadcast_weights(pools)
+    problems = [Problem(i, f"sum a{i}b3", str(i + 3)) for i in range(4)]
+    in_flight = deque([launch_rollouts(pools, PromptSampler(problems, 2, 0), v)])
+    request(tmp_path, {"rollout": 2})
+    assert apply_requested(tmp_path, in_flight, pools, cfg, v) == {
+        "resize/rollout_actors": 2, "resize/scorer_actors": 1}
+    assert list(in_flight) == [[]] and not (tmp_path / REQUEST).exists()
+    assert ray.get(pools.buffer.stats.remote())["generated_rows"] == 4  # the batch landed
+    assert pools.rollout_ids == [0, 1] and cfg.rollout.num_actors == 2
+    assert_in_sync(ray, pools, v)
+    request(tmp_path, {"rollout": 1})
+    apply_requested(tmp_path, deque(), pools, cfg, v)
+    assert pools.rollout_ids == [0] and cfg.rollout.num_actors == 1
+    assert_in_sync(ray, pools, v)
