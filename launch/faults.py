@@ -68,6 +68,14 @@ class Faults:
                 self.event(step, name.replace("_", " ") + " (reward 0)",
                            hit[0]["reward_fault"], [r["sample_id"] for r in hit])
 
+    def restore(self, state: dict) -> None:
+        """The counts of the checkpoint a run resumes from (``launch.checkpoint.save``)."""
+        self.counts.update(state.get("faults", {}).get("driver", {}))
+
+    def rewards_of(self, step: int):
+        """``note_rewards`` for rows landed outside step 6a (checkpoint, resize)."""
+        return lambda rows: self.note_rewards(step, rows)
+
     def skipped(self, step: int, version: int, cause: str, detail: str) -> None:
         """A step that changed nothing; stops the run at ``run.max_consecutive_skips`` in a row."""
         self.counts["skipped_steps"] += 1

@@ -49,8 +49,9 @@ def request(run_dir: str | Path, sizes: dict[str, int]) -> Path:
     return run_dir / REQUEST
 
 
-def apply_requested(run_dir: str | Path, in_flight, pools, cfg, version: int) -> dict:
-    """The pending request of ``run_dir``, if any, applied (see the module doc). Returns metrics:
+def apply_requested(run_dir: str | Path, in_flight, pools, cfg, version: int, note=None) -> dict:
+    """The pending request of ``run_dir``, if any, applied (see the module doc; ``note``: as for
+    ``launch.steps.land_rollouts``). Returns metrics:
     the pool sizes after a resize (``resize/rollout_actors``, ``resize/scorer_actors``), or {}."""
     from cluster.elastic import resize_pool
     from launch.steps import land_rollouts
@@ -64,7 +65,7 @@ def apply_requested(run_dir: str | Path, in_flight, pools, cfg, version: int) ->
         os.replace(path, path.with_name(REQUEST + ".rejected"))
         print(f"[resize] {path} rejected: {err}", flush=True)
         return {}
-    land_rollouts(in_flight, pools, cfg, version)  # no actor is removed with a batch in flight
+    land_rollouts(in_flight, pools, cfg, version, note)  # no actor is removed with a batch in flight
     report = []
     for role, n in sizes.items():
         report += resize_pool(pools, cfg, role, n)

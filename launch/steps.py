@@ -126,15 +126,19 @@ def fill_rollouts(in_flight, pools, sampler: PromptSampler, version: int, steps:
         in_flight.append(launch_rollouts(pools, sampler, version))
 
 
-def land_rollouts(in_flight, pools, cfg, version: int) -> int:
-    """Every batch in flight into the buffer (before a checkpoint); ``in_flight`` then holds as
-    many landed (empty) entries, so the run goes on as if they were still running. Returns how
-    many batches it holds (``trainer_state.json``'s ``in_flight``: resume refills from it)."""
+def land_rollouts(in_flight, pools, cfg, version: int, note=None) -> int:
+    """Every batch in flight into the buffer (before a checkpoint or a resize); ``in_flight`` then
+    holds as many landed (empty) entries, so the run goes on as if they were still running. Returns
+    how many batches it holds (``trainer_state.json``'s ``in_flight``: resume refills from it).
+    ``note(rows)``: sees each landed batch's rows first (``launch.faults.Faults.note_rewards``)."""
     from launch.recovery import call
 
     n = len(in_flight)
     for calls in list(in_flight):
-        call(pools, "append", gather_rollouts(calls, pools, cfg, version))
+        rows = gather_rollouts(calls, pools, cfg, version)
+        if note is not None:
+            note(rows)
+        call(pools, "append", rows)
     in_flight.clear()
     in_flight.extend([] for _ in range(n))
     return n

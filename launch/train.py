@@ -71,6 +71,7 @@ def main(argv: list[str]) -> dict:
     # 4. Resuming: learners (weights, optimiser, RNG), buffer rows and data position come back.
     # Then one broadcast group, separate from DeepSpeed's: learner rank 0 -> rollout + scorer actors.
     state = checkpoint.restore(ckpt, pools, sampler) if ckpt else {"step": 0, "in_flight": 0}
+    faults.restore(state)  # fault counts go on where the checkpoint left them
     connect_weight_sync(pools, cfg)
     version, sync = broadcast_weights(pools)  # everyone starts from the learner's exact weights
     log.write({"step": state["step"], "version": version, **sync, **overlong,
@@ -121,7 +122,8 @@ def main(argv: list[str]) -> dict:
         # schedule (rollout.kv.schedule) re-plans its budgets from the probes first.
         kv_plan = replan_schedule(pools, cfg, step)
         version, sync = sync_weights(pools, cfg)
-        sync |= apply_requested(run_dir, in_flight, pools, cfg, version)  # python -m launch.resize
+        sync |= apply_requested(run_dir, in_flight, pools, cfg, version,  # python -m launch.resize
+                                faults.rewards_of(step))
         if not overlap:
             fill_rollouts(in_flight, pools, sampler, version, cfg.run.steps)
 
@@ -140,9 +142,10 @@ def main(argv: list[str]) -> dict:
         # 6g. Checkpoint (every N steps, after the last, on SIGTERM). Rollouts in flight land in
         # the buffer first, so the checkpoint holds them and a resumed run trains on the same rows.
         if stop or checkpoint.due(cfg.run, step):
-            landed = land_rollouts(in_flight, pools, cfg, version)
+            landed = land_rollouts(in_flight, pools, cfg, version, faults.rewards_of(step))
             ckpt = checkpoint.save(run_dir, cfg, pools, step=step, version=version, sampler=sampler,
-                                   accuracy_before=acc_before, in_flight=landed)
+                                   accuracy_before=acc_before, in_flight=landed,
+                                   faults=faults.counts)
         if stop:  # the checkpoint is this run's result; exit code 143 (128 + SIGTERM)
             print(f"stopped by {stop.signal} after step {step}; resume={ckpt}", flush=True)
             log.close(), ray.shutdown()

@@ -151,3 +151,25 @@ def test_max_consecutive_skips_is_validated():
     assert load_config([]).run.max_consecutive_skips == 3
     with pytest.raises(ConfigError, match="run.max_consecutive_skips"):
         load_config(["run.max_consecutive_skips=0"])
+
+
+def test_rows_landed_before_a_checkpoint_are_counted_and_counts_survive_a_resume(
+        tmp_path, no_ray, capsys):
+    """Rows that land in the buffer outside step 6a (before a checkpoint, a resize) are seen by
+    ``note_rewards`` too; a resumed run starts from the checkpoint's counts, not from 0."""
+    from launch.steps import land_rollouts
+
+    faults = Faults(tmp_path, 3)
+    appended = []
+    pools = SimpleNamespace(buffer=SimpleNamespace(append=_Remote([], "append", appended.extend)))
+    rows = [{"sample_id": "s0", "reward_fault": "timeout"}, {"sample_id": "s1", "reward_fault": None}]
+    in_flight = [[(0, None, 4, rows)]]  # (actor, chunk, batch, ref): ray.get(ref) is the rows here
+    assert land_rollouts(in_flight, pools, None, 1, faults.rewards_of(4)) == 1
+    assert in_flight == [[]] and appended == rows
+    assert faults.metrics()["faults/reward_timeouts"] == 1
+    saved = {"faults": {"driver": dict(faults.counts), "pools": {}}}  # launch.checkpoint.save's
+    resumed = Faults(tmp_path, 3)
+    resumed.restore(json.loads(json.dumps(saved)))
+    assert resumed.metrics()["faults/reward_timeouts"] == 1
+    resumed.restore({})  # a checkpoint written before counts were kept
+    assert resumed.metrics()["faults/reward_timeouts"] == 1
