@@ -91,3 +91,12 @@ def preset_task(monkeypatch):
         monkeypatch.chdir(REPO)
         return cfg, make_task(cfg.task)
     return load
+
+
+class ContainsAnswer:
+    """A task whose reward is 1 when the answer appears in the response: rollout-actor tests set
+    it as the actor's in-process ``_task``."""
+    name = "contains"
+
+    def reward(self, response: str, answer: str) -> float:
+        return 1.0 if answer in response else 0.0

@@ -20,6 +20,7 @@ from common.modeling import checksum, load_model, token_logprobs
 from correction import CorrectionConfig
 from learner.config import LearnerConfig
 from tasks.base import Problem
+from conftest import ContainsAnswer
 
 torch.set_num_threads(1)
 os.environ.setdefault("TORCH_EXTENSIONS_DIR",
@@ -27,13 +28,6 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR",
 _PORT = 29731  # DeepSpeed's default group: one per process, shared with test_learner_single
 KV = dict(policy="rkv", budget=10, compress_every=4)
 PROBLEMS = [Problem(0, "1+2=", "3"), Problem(7, "hello world", "o"), Problem(9, "ab", "zz")]
-
-
-class Contains:
-    name = "contains"
-
-    def reward(self, response: str, answer: str) -> float:
-        return 1.0 if answer in response else 0.0
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +42,7 @@ def make_actor(model_dir, enabled=True, **kw):
                         kv=KVConfig(**KV),
                         distill_sparse=DistillSparseConfig(enabled=enabled, **kw))
     actor = RolloutActor(cfg, task_cfg=None, model_path=model_dir)
-    actor._task = Contains()
+    actor._task = ContainsAnswer()
     return actor
 
 

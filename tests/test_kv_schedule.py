@@ -18,6 +18,7 @@ from correction.metrics import tv_agreement
 from schedule import cost as costmod
 from schedule.plan import bin_alphas, mean_budget, plan, pooled
 from tasks.base import Problem
+from conftest import ContainsAnswer
 
 torch.set_num_threads(1)
 PROMPTS = [list(range(5, 27)), [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
@@ -118,11 +119,6 @@ def test_replay_is_the_generation_path(model):
 
 
 # ---- rollout actor: probes and recorded budgets -------------------------------------------------
-class ContainsAnswer:
-    def reward(self, response: str, answer: str) -> float:
-        return 1.0 if answer in response else 0.0
-
-
 def test_actor_rows_probes_and_table(model_dir):
     cfg = RolloutConfig(model_path=model_dir, samples_per_prompt=4, max_new_tokens=16,
                         kv=kv(budget=10, bin_tokens=8, schedule="dynamic", probe_share=0.25,

@@ -12,19 +12,13 @@ from actors.rollout import RolloutActor
 from common.errors import ConfigError
 from common.testmodels import build_model
 from tasks.base import Problem
+from conftest import ContainsAnswer
 
 torch.set_num_threads(1)
 ROW_KEYS = {"sample_id", "group_id", "prompt_idx", "prompt_ids", "response_ids", "sampler_logprobs",
             "reward", "policy_version", "kv_policy", "kv_budget", "kept_ratio", "prompt_len",
             "response_len", "finish_reason", "gen_time_s", "logprob_mode", "peak_kv_bytes",
             "reward_fault", "kv_bin_budgets", "kv_agreement"}
-
-
-class ContainsAnswer:
-    name = "contains"
-
-    def reward(self, response: str, answer: str) -> float:
-        return 1.0 if answer in response else 0.0
 
 
 @pytest.fixture(scope="module")

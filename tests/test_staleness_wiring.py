@@ -25,6 +25,7 @@ from learner.testing import train
 from common.testmodels import build_model
 from correction import CorrectionConfig, correct
 from tasks.base import Problem
+from conftest import ContainsAnswer
 
 torch.set_num_threads(1)
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache",
@@ -127,11 +128,6 @@ def test_config_cross_checks_name_the_key():
 
 # ---- rollout actor ---------------------------------------------------------------------------
 
-class _Contains:
-    def reward(self, response: str, answer: str) -> float:
-        return float(answer in response)
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return str(build_model(tmp_path_factory.mktemp("m"), "tiny", seed=0))
@@ -144,7 +140,7 @@ def test_rollout_dense_logprobs_equal_the_scorer_at_the_same_weights(tiny_dir, t
     cfg = RolloutConfig(model_path=tiny_dir, samples_per_prompt=3, max_new_tokens=10, kv=kv,
                         temperature=temperature, dense_logprobs=True, dense_micro_batch=2)
     actor = RolloutActor(cfg, task_cfg=None, model_path=tiny_dir, actor_id=1)
-    actor._task = _Contains()
+    actor._task = ContainsAnswer()
     other = load_model(build_model(tmp_path / "o", "tiny", seed=3))   # weights of "version 2"
     actor.load_weights(list(other.named_parameters()), 2)
     problems = [Problem(0, "1+2=", "3"), Problem(7, "hello there", "o")]

@@ -22,6 +22,7 @@ from actors.config import KVConfig, RolloutConfig  # noqa: E402
 from actors.engine import make_engine  # noqa: E402
 from common.testmodels import VLLM_CPU, build_model  # noqa: E402
 from tasks.base import Problem  # noqa: E402
+from conftest import ContainsAnswer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBLEMS = [Problem(0, "1+2=", "3"), Problem(7, "hello", "o")]
@@ -39,13 +40,6 @@ def factory_builds_vllm() -> bool:
 
 needs_hook = pytest.mark.skipif(not factory_builds_vllm(),
                                 reason="make_engine does not build rollout.engine=vllm yet")
-
-
-class ContainsAnswer:
-    name = "contains"
-
-    def reward(self, response: str, answer: str) -> float:
-        return 1.0 if answer in response else 0.0
 
 
 @pytest.fixture(scope="module")
