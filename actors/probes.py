@@ -61,9 +61,10 @@ class DenseReference:
 
 
 def agreement(engine, prompts: list[list[int]], responses: list[list[int]], params,
-              micro_batch: int, budgets: list[int] | None = None):
+              micro_batch: int, budgets: list[int] | None = None, reference=None):
     """alpha per response token for each (prompt, response), ``micro_batch`` rows per replay
-    against the dense reference (``DenseReference``, the engine's own weights). With ``budgets``:
+    against the dense reference (``DenseReference`` of ``reference``, default the engine's own
+    model; a DistillSparse sampler is measured against the dense base model). With ``budgets``:
     {budget: alphas} with the engine at each single budget in turn (one dense forward shared; the
     engine's own schedule is restored afterwards); without: the alphas at the engine's schedule."""
     saved = list(engine.budgets)
@@ -71,7 +72,7 @@ def agreement(engine, prompts: list[list[int]], responses: list[list[int]], para
     try:
         for i in range(0, len(prompts), micro_batch):
             p, r = prompts[i:i + micro_batch], responses[i:i + micro_batch]
-            ref = DenseReference(engine.model, p, r, params)
+            ref = DenseReference(engine.model if reference is None else reference, p, r, params)
             for b in out:
                 if b is not None:
                     engine.set_budgets([b])

@@ -16,9 +16,10 @@ generating with the schedule, over the dense cache's) and ``tok_per_s_vs_dense``
 same seed, best of ``--repeat``). ``dynamic-speed`` minimises predicted decode time,
 ``dynamic-memory`` KV slots held. ``static-heldout-best`` (when it differs): the smallest single
 budget passing on the held-out prompts themselves, the bar's reference (a dynamic schedule passes
-held-out at a smaller mean budget than the best static one that does). ``distill`` rows need a
-DistillSparse adapter (``--adapter``, issue 14's other half); without one they are reported
-missing.
+held-out at a smaller mean budget than the best static one that does). ``distill`` rows: the same
+schedules picked and judged for the sparse sampler base + a DistillSparse adapter (a peft folder,
+``--adapter <run>/final/distill_sparse``, or one trained here, ``--distill-steps N``, with
+``bench/distill.py``'s ``train_adapter``), its agreement measured against the dense *base* model.
 """
 from __future__ import annotations
 
@@ -56,17 +57,18 @@ def sequences(engine, tok, problems, samples: int, seed: int, max_new: int):
     return [o.prompt_ids for o in keep], [o.response_ids for o in keep], params
 
 
-def table_for(engine, prompts, responses, params, budgets, width):
+def table_for(engine, prompts, responses, params, budgets, width, reference=None):
     plens = [len(p) for p in prompts]
-    table = agreement(engine, prompts, responses, params, 16, budgets)
+    table = agreement(engine, prompts, responses, params, 16, budgets, reference)
     return {b: bin_alphas(plens, a, width) for b, a in table.items()}
 
 
-def judge(engine, dense, schedule, held, params, width, repeat: int) -> dict:
+def judge(engine, dense, schedule, held, params, width, repeat: int, reference=None) -> dict:
     prompts, responses = held[0], held[1]
     engine.set_budgets(schedule)
     by_bin = bin_alphas([len(p) for p in prompts],
-                        agreement(engine, prompts, responses, params, 16), width)
+                        agreement(engine, prompts, responses, params, 16, reference=reference),
+                        width)
     stats = bin_stats(by_bin)
     judged = bin_stats(pooled(by_bin)[0])   # bins of too few tokens join the bin before them
     worst = min(judged, key=lambda k: judged[k]["p5"])
@@ -112,14 +114,16 @@ def pick(table, budgets: list[int], cost, a) -> dict[str, list[int]]:
 def verdicts(rows: list[dict], threshold: float) -> None:
     """``passes`` per row; the bar per dynamic row: it passes held-out at a smaller mean budget
     than the best static row that passes."""
+    rows = [r for r in rows if "missing" not in r]
     for r in rows:
         r["passes"] = r["agreement_p5_min_bin"] >= threshold
     ref = min((r["mean_budget"] for r in rows if r["schedule"].startswith("static") and
-               r["passes"]), default=None)
+               r["passes"] and not r["distill"]), default=None)
     for r in rows:
         if r["schedule"].startswith("dynamic"):
             bar = r["passes"] and ref is not None and r["mean_budget"] < ref
-            print(f"[schedule] bar {r['schedule']}: held-out min-bin p5 "
+            print(f"[schedule] bar {r['schedule']}{' + distill' if r['distill'] else ''}: "
+                  f"held-out min-bin p5 "
                   f"{r['agreement_p5_min_bin']:.3f} (>= {threshold}: {r['passes']}), mean budget "
                   f"{r['mean_budget']:.1f} vs best passing static {ref}: "
                   f"{'PASS' if bar else 'FAIL'}")
@@ -147,12 +151,19 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--compress-every", type=int, default=16)
     ap.add_argument("--budgets", default="", help="candidate budgets (default 8..96 step 8)")
     ap.add_argument("--protect-prompt", action="store_true")
-    ap.add_argument("--adapter", default="", help="DistillSparse adapter (issue 14); else missing")
+    ap.add_argument("--adapter", default="",
+                    help="a DistillSparse adapter (peft folder, e.g. <run>/final/distill_sparse)")
+    ap.add_argument("--distill-steps", type=int, default=0,
+                    help="else train one here for N steps (bench/distill.py); 0 and no --adapter: "
+                         "the distill rows are reported missing")
+    ap.add_argument("--distill-budget", type=int, default=32, help="budget it trains at")
+    ap.add_argument("--distill-kl-coef", type=float, default=0.001)
+    ap.add_argument("--distill-lr", type=float, default=1e-3)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
-    if a.adapter:  # refused rather than ignored: the distill rows would claim what did not run
-        ap.error("--adapter: DistillSparse is not on this branch yet (the integrator wires it)")
+    if a.adapter and a.distill_steps:
+        ap.error("--adapter and --distill-steps: one adapter, loaded or trained")
     torch.set_num_threads(1)
     from common.modeling import load_model, load_tokenizer
     from tasks import make_task
@@ -169,7 +180,7 @@ def main(argv=None) -> list[dict]:
     params = calib[2]
     budgets = [int(b) for b in a.budgets.split(",")] if a.budgets else list(range(16, 97, 8))
     t0 = time.time()
-    table = table_for(engine, calib[0], calib[1], params, budgets, a.bin_tokens)
+    table = base_table = table_for(engine, calib[0], calib[1], params, budgets, a.bin_tokens)
     print(f"[schedule] probe table: {len(budgets)} budgets x {len(calib[0])} sequences "
           f"in {time.time() - t0:.0f} s")
     for b in budgets:
@@ -188,12 +199,67 @@ def main(argv=None) -> list[dict]:
     if best is not None and best not in [r["budgets"] for r in rows]:
         rows.append({"schedule": "static-heldout-best", "distill": False,
                      **judge(engine, dense, [best], held, params, a.bin_tokens, a.repeat)})
+    rows += distill_rows(model, a, task, kv, dense, calib, held, params, budgets, base_table, cost)
     verdicts(rows, a.threshold)
-    for name in plans:   # DistillSparse (an adapter on the sampler) is another branch's work
-        rows.append({"schedule": name, "distill": True, "missing": "no DistillSparse adapter "
-                     "(--adapter; rollout.distill_sparse is another engineer's branch)"})
     report(rows, a, cost)
     return rows
+
+
+def distill_rows(model, a, task, kv, dense, calib, held, params, budgets, base_table, cost):
+    """The schedules picked and judged as in ``main`` for the sampler base + a DistillSparse
+    adapter, measured against the dense base model; rows marked missing without an adapter."""
+    rows = []
+    sampler = distill_sampler(model, a, task)
+    if sampler is None:
+        for name in ("static", "dynamic-speed", "dynamic-memory"):
+            rows.append({"schedule": name, "distill": True,
+                         "missing": "no DistillSparse adapter (--adapter or --distill-steps)"})
+    else:  # the same procedure for base + adapter, measured against the dense base model
+        eng = NativeEngine(sampler, kv, 64)
+        table = table_for(eng, calib[0], calib[1], params, budgets, a.bin_tokens, model)
+        for name, sched in pick(table, budgets, cost, a).items():
+            rows.append({"schedule": name, "distill": True, **judge(
+                eng, dense, sched, held, params, a.bin_tokens, a.repeat, reference=model)})
+        for b in budgets:
+            print(f"  distill budget {b:3d}: " + " ".join(
+                f"bin{k} p5={s['p5']:.3f}" for k, s in bin_stats(table[b]).items()))
+        worst = {name: {b: min(s["p5"] for s in bin_stats(pooled(t[b])[0]).values())
+                        for b in budgets} for name, t in (("base", base_table), ("distill", table))}
+        raised = [b for b in budgets if worst["distill"][b] > worst["base"][b]]
+        print(f"[schedule] bar distill (min-bin p5 at a fixed budget raised): at "
+              f"{len(raised)} of {len(budgets)} budgets {raised}; at {a.distill_budget}: "
+              f"{worst['base'].get(a.distill_budget, float('nan')):.3f} -> "
+              f"{worst['distill'].get(a.distill_budget, float('nan')):.3f}")
+    return rows
+
+
+def distill_sampler(model, a, task):
+    """A copy of ``model`` with a DistillSparse adapter merged in (``--adapter`` or trained for
+    ``--distill-steps``), or None without one."""
+    import copy
+
+    from actors.config import DistillSparseConfig
+    from common import lora
+
+    if a.adapter:
+        conf = json.loads((Path(a.adapter) / "adapter_config.json").read_text())
+        lcfg = DistillSparseConfig(rank=int(conf["r"]), alpha=float(conf["lora_alpha"]),
+                                   target_modules=sorted(conf["target_modules"]))
+        tensors = lora.read_adapter(a.adapter)
+    elif a.distill_steps:
+        from bench.distill import rollout_config, train_adapter
+
+        lcfg = DistillSparseConfig(lr=a.distill_lr, kl_coef=a.distill_kl_coef)
+        cfg = rollout_config(a.model, a.distill_budget, distill=lcfg)
+        t0 = time.time()
+        tensors, _ = train_adapter(cfg, task.problems("train"), a.distill_steps, log=None)
+        print(f"[schedule] DistillSparse adapter: {a.distill_steps} steps at budget "
+              f"{a.distill_budget} in {time.time() - t0:.0f} s")
+    else:
+        return None
+    sampler = copy.deepcopy(model)
+    lora.merge(sampler, model, tensors, lcfg)
+    return sampler
 
 
 def _fmt(v) -> str:
