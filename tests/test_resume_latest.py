@@ -21,6 +21,10 @@ def _ckpt(out: Path, run: str, step: int, *, partial: bool = False, steps: int =
     (d / "config.yaml").write_text(to_yaml(load_config([f"run.name={name}", f"run.out_dir={out}",
                                                         f"run.steps={steps}"])))
     (d / checkpoint.STATE_FILE).write_text(json.dumps({"step": step, "version": step}))
+    for folder in (f"deepspeed/global_step{step}", "hf", "buffer"):  # every part (checkpoint.PARTS)
+        (d / folder).mkdir(parents=True)
+    (d / "deepspeed" / "latest").write_text(f"global_step{step}")
+    (d / "hf" / "config.json").write_text("{}")
     return d
 
 
