@@ -216,6 +216,7 @@ class VLLMEngine:
         outs = [self._output(prompts[i], finished[i], internal[i]) for i in range(len(prompts))]
         self.last_stats = {"allocated_kv_bytes": self.meter.pool_bytes(),
                            "peak_kv_bytes": self.meter.peak_total, "time_s": elapsed,
+                           "concurrent_requests": self.meter.concurrent,
                            "tokens": sum(len(o.response_ids) for o in outs)}
         return outs
 

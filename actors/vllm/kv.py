@@ -91,6 +91,7 @@ class KVMeter:
     def reset(self) -> None:
         self.peak: dict[str, int] = {}
         self.peak_total = 0
+        self.concurrent = 0      # most requests running (holding KV) after one scheduling step
 
     def request_bytes(self, req_id: str) -> int:
         total = 0
@@ -100,6 +101,7 @@ class KVMeter:
         return total
 
     def sample(self, requests) -> None:
+        self.concurrent = max(self.concurrent, len(requests))
         step_total = 0
         for req in requests:
             rid = req.request_id
