@@ -171,9 +171,8 @@ def save(run_dir: Path, cfg, pools, *, step: int, version: int, sampler, accurac
          in_flight: int, faults: dict | None = None) -> Path:
     """Write the checkpoint after ``step`` (every learner rank takes part) and prune old ones.
     ``in_flight``: rollout batches that were in flight and landed in the buffer (resume counts them
-    as in flight and launches more only up to ``run.rollouts_ahead``). ``faults``: the driver's
-    fault counts (``launch.faults.Faults.counts``), kept with ``pools.faults`` so that a resumed run
-    goes on counting."""
+    as in flight and launches more only up to ``run.rollouts_ahead``). ``faults``: the fault counts
+    (``launch.faults.Faults.state``), so that a resumed run goes on counting."""
     import ray
 
     from cluster.pools import on_learners
@@ -194,7 +193,7 @@ def save(run_dir: Path, cfg, pools, *, step: int, version: int, sampler, accurac
     state = {"step": step, "version": version, "sampler": sampler.position(),
              "accuracy_before": accuracy_before, "next_batch_in_buffer": in_flight > 0,
              "in_flight": int(in_flight),
-             "faults": {"driver": dict(faults or {}), "pools": dict(pools.faults)}}
+             "faults": faults or {}}
     (part / STATE_FILE).write_text(json.dumps(state, indent=2))
     missing = missing_parts(part)
     if missing:  # the learners wrote to a folder of that name on their own node
@@ -218,7 +217,6 @@ def restore(ckpt: Path, pools, sampler) -> dict:
                            f"{STATE_FILE} says {state['version']}")
     ray.get(pools.buffer.restore.remote(str(ckpt / "buffer")))
     sampler.restore(state["sampler"])
-    pools.faults.update(state.get("faults", {}).get("pools", {}))  # older checkpoints: none
     state.setdefault("in_flight", int(state.get("next_batch_in_buffer", False)))  # older ones
     return state
 

@@ -35,9 +35,12 @@ SHOWN_IDS = 8   # sample ids in a warning line (faults.jsonl has them all)
 
 
 class Faults:
-    def __init__(self, run_dir: Path, max_consecutive_skips: int):
+    def __init__(self, run_dir: Path, max_consecutive_skips: int, survived: dict | None = None):
+        """``survived``: the counts the pools keep of faults they heal themselves
+        (``cluster.pools.Pools.faults``: buffer restarts, actor replacements), reported with these."""
         self.run_dir, self.limit = Path(run_dir), int(max_consecutive_skips)
         self.counts: Counter[str] = Counter()
+        self.survived = survived if survived is not None else {}
         self.consecutive = 0
 
     def metrics(self) -> dict[str, int]:
@@ -45,7 +48,11 @@ class Faults:
         base = {k: 0 for k in ("skipped_steps", "skipped_optimizer_steps", "reward_errors",
                                "reward_timeouts")}
         return {f"faults/{k}": v for k, v in {**base, **self.counts}.items()} | \
-            {"faults/consecutive_skips": self.consecutive}
+            {"faults/consecutive_skips": self.consecutive} | self.survived
+
+    def state(self) -> dict:
+        """What a checkpoint keeps (``launch.checkpoint.save``), so a resumed run goes on counting."""
+        return {"driver": dict(self.counts), "pools": dict(self.survived)}
 
     def event(self, step: int, kind: str, cause: str, sample_ids: list[str], **extra) -> None:
         """One ``[faults]`` warning line and one ``faults.jsonl`` record."""
@@ -69,8 +76,10 @@ class Faults:
                            hit[0]["reward_fault"], [r["sample_id"] for r in hit])
 
     def restore(self, state: dict) -> None:
-        """The counts of the checkpoint a run resumes from (``launch.checkpoint.save``)."""
-        self.counts.update(state.get("faults", {}).get("driver", {}))
+        """The counts of the checkpoint a run resumes from (``state``; older checkpoints: none)."""
+        saved = state.get("faults", {})
+        self.counts.update(saved.get("driver", {}))
+        self.survived.update(saved.get("pools", {}))
 
     def rewards_of(self, step: int):
         """``note_rewards`` for rows landed outside step 6a (checkpoint, resize)."""

@@ -63,10 +63,10 @@ def main(argv: list[str]) -> dict:
 
     t_start = time.time()
     log = MetricsLog(run_dir, cfg.run)  # + TensorBoard (run.tensorboard), wandb, Ray gauges
-    faults = Faults(run_dir, cfg.run.max_consecutive_skips)  # skipped batches, failed rewards
     sampler = PromptSampler(train, cfg.run.prompts_per_step, cfg.run.seed)
 
     pools = build_pools(cfg, str(run_dir))  # waits for every actor: cluster.placement_timeout_s
+    faults = Faults(run_dir, cfg.run.max_consecutive_skips, pools.faults)  # + skips, failed rewards
 
     # 4. Resuming: learners (weights, optimiser, RNG), buffer rows and data position come back.
     # Then one broadcast group, separate from DeepSpeed's: learner rank 0 -> rollout + scorer actors.
@@ -131,7 +131,7 @@ def main(argv: list[str]) -> dict:
         record = {"step": step, "version": version, **kv_plan,
                   **batch_metrics(batch, version, cfg.rollout.kv.bin_tokens),
                   "time/rollout_wait_s": t_roll, "time/step_s": time.time() - t0, **sync,
-                  **buffer_depth(pools), **faults.metrics(), **pools.faults,
+                  **buffer_depth(pools), **faults.metrics(),
                   **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
         if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < cfg.run.steps:
             record.update(evaluate_sets(pools.rollout, evals, cfg.run.eval_greedy, log.progress))
@@ -145,7 +145,7 @@ def main(argv: list[str]) -> dict:
             landed = land_rollouts(in_flight, pools, cfg, version, faults.rewards_of(step))
             ckpt = checkpoint.save(run_dir, cfg, pools, step=step, version=version, sampler=sampler,
                                    accuracy_before=acc_before, in_flight=landed,
-                                   faults=faults.counts)
+                                   faults=faults.state())
         if stop:  # the checkpoint is this run's result; exit code 143 (128 + SIGTERM)
             print(f"stopped by {stop.signal} after step {step}; resume={ckpt}", flush=True)
             log.close(), ray.shutdown()
@@ -158,7 +158,7 @@ def main(argv: list[str]) -> dict:
     on_learners(pools, "save_hf", str(run_dir / "final"))
     summary = {"steps": cfg.run.steps, "version": version, "time_s": round(time.time() - t_start, 1),
                "accuracy_before": acc_before, "accuracy_after": acc_after, "eval_after": after,
-               "run_dir": str(run_dir), **overlong, **faults.metrics(), **pools.faults}
+               "run_dir": str(run_dir), **overlong, **faults.metrics()}
     log.summary(summary)
     ray.shutdown()
     return summary

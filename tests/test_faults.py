@@ -167,9 +167,12 @@ def test_rows_landed_before_a_checkpoint_are_counted_and_counts_survive_a_resume
     assert land_rollouts(in_flight, pools, None, 1, faults.rewards_of(4)) == 1
     assert in_flight == [[]] and appended == rows
     assert faults.metrics()["faults/reward_timeouts"] == 1
-    saved = {"faults": {"driver": dict(faults.counts), "pools": {}}}  # launch.checkpoint.save's
-    resumed = Faults(tmp_path, 3)
+    faults.survived["faults/buffer_restarts"] = 1  # counted by launch/recovery.py
+    saved = {"faults": faults.state()}  # trainer_state.json, as launch.checkpoint.save writes it
+    survived = {"faults/buffer_restarts": 0}  # the resumed run's fresh Pools.faults
+    resumed = Faults(tmp_path, 3, survived)
     resumed.restore(json.loads(json.dumps(saved)))
     assert resumed.metrics()["faults/reward_timeouts"] == 1
+    assert survived["faults/buffer_restarts"] == 1 == resumed.metrics()["faults/buffer_restarts"]
     resumed.restore({})  # a checkpoint written before counts were kept
     assert resumed.metrics()["faults/reward_timeouts"] == 1
