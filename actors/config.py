@@ -305,21 +305,29 @@ class RolloutConfig:
                 raise ConfigError(f"{prefix}.vllm.max_model_len", self.vllm.max_model_len,
                                   f"0 (derived) or >= {need} (longest prompt + "
                                   f"{prefix}.max_new_tokens)")
-            if self.dense_logprobs:  # the vLLM engine exposes no teacher-forced dense forward
-                raise ConfigError(f"{prefix}.dense_logprobs", self.dense_logprobs,
-                                  f"false with {prefix}.engine=vllm (dense sampler log-probs "
-                                  "need the native engine)")
             kv = self.kv
             for key, off in (("schedule", KVSchedule(kv.schedule) == KVSchedule.static),
-                             ("budgets", not kv.budgets), ("probe_share", kv.probe_share == 0),
-                             ("protect_prompt", not kv.protect_prompt)):
-                if not off:  # per-bin budgets, probes and prompt protection are the native engine's
+                             ("probe_share", kv.probe_share == 0)):
+                if not off:  # probes replay on the native engine: dynamic schedules need them
                     raise ConfigError(f"{prefix}.kv.{key}", getattr(kv, key),
                                       f"its default with {prefix}.engine=vllm (native engine only)")
             # Refuse score-based policies at config load, not minutes later in an actor.
             from actors.vllm.kv import check_policy  # imports no vLLM
 
-            check_policy(self.kv, f"{prefix}.kv")
+            policy = check_policy(self.kv, f"{prefix}.kv")
+            if policy == KVPolicy.streaming and (kv.budgets or kv.protect_prompt):
+                key = "budgets" if kv.budgets else "protect_prompt"
+                raise ConfigError(f"{prefix}.kv.{key}", getattr(kv, key),
+                                  f"its default with {prefix}.engine=vllm and policy streaming "
+                                  "(vLLM's sliding window has one width and no prompt "
+                                  "protection; h2o, snapkv and rkv support both)")
+            if policy in (KVPolicy.h2o, KVPolicy.snapkv, KVPolicy.rkv) and \
+                    self.vllm.tensor_parallel_size > 1:
+                raise ConfigError(f"{prefix}.vllm.tensor_parallel_size",
+                                  self.vllm.tensor_parallel_size,
+                                  f"1 with {prefix}.kv.policy={policy.value} (KV eviction keeps "
+                                  "one set of kept tokens per engine: not implemented across "
+                                  "tensor-parallel workers)")
 
 
     def _validate_distill(self, prefix: str, engine: EngineKind) -> None:

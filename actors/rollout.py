@@ -81,13 +81,16 @@ class RolloutActor(ReceivesWeights):
         """A dense-KV engine over the same model (shared weights) for evaluation.
 
         Held-out accuracy measures the *model*, so it is decoded with the full cache whatever KV
-        policy the rollouts use. The vLLM engine has no second cache on the same weights: it
-        evaluates with its own (dense or sliding-window) setting.
+        policy the rollouts use. The vLLM engine decodes evaluation requests without eviction
+        (``dense_view``); its sliding window (``streaming``) is the model's attention layout in
+        vLLM and cannot be switched off per request, so it evaluates windowed.
         """
         from actors.config import EngineKind, KVConfig
         from actors.native import NativeEngine
 
-        if EngineKind(self.cfg.engine) != EngineKind.native or self.engine.policy == KVPolicy.dense:
+        if EngineKind(self.cfg.engine) == EngineKind.vllm:    # evicting: same engine, no eviction
+            return self.engine.dense_view() if self.engine.evicting else self.engine
+        if self.engine.policy == KVPolicy.dense:
             return self.engine
         if self._dense is None:
             self._dense = NativeEngine(self.engine.model, KVConfig(policy=KVPolicy.dense),
@@ -229,7 +232,7 @@ class RolloutActor(ReceivesWeights):
         from actors.scorer import dense_logprobs
         from common.tokens import pad_token_id
 
-        model = self.engine.model
+        model = getattr(self.engine, "scoring_model", None) or self.engine.model   # vLLM: a copy
         return dense_logprobs(model, [list(o.prompt_ids) for o in outs],
                               [list(o.response_ids) for o in outs], float(self.cfg.temperature),
                               pad_token_id(self.tokenizer), int(self.cfg.dense_micro_batch))

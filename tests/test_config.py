@@ -78,11 +78,24 @@ def test_missing_file_and_bad_arg():
         parse_args(["--steps"])
 
 
-def test_vllm_engine_refuses_score_based_policy_at_load():
-    with pytest.raises(ConfigError, match="rollout.kv.policy"):
-        load_config(["rollout.engine=vllm", "rollout.kv.policy=rkv"])
-    cfg = load_config(["rollout.engine=vllm", "rollout.kv.policy=streaming"])
-    assert cfg.rollout.engine.value == "vllm"
+def test_vllm_engine_policies_at_load():
+    """Every policy loads with the vLLM engine; what it cannot do is refused naming the key:
+    per-bin budgets on its sliding window, eviction across tensor-parallel workers, probes."""
+    for policy in ("streaming", "h2o", "snapkv", "rkv"):
+        cfg = load_config(["rollout.engine=vllm", f"rollout.kv.policy={policy}"])
+        assert cfg.rollout.engine.value == "vllm"
+    cfg = load_config(["rollout.engine=vllm", "rollout.kv.policy=rkv", "rollout.kv.budgets=[64,32]",
+                       "rollout.kv.protect_prompt=true", "rollout.dense_logprobs=true",
+                       "correction.staleness.enabled=true"])
+    assert cfg.rollout.kv.budgets == [64, 32]
+    with pytest.raises(ConfigError, match="rollout.kv.budgets"):
+        load_config(["rollout.engine=vllm", "rollout.kv.policy=streaming",
+                     "rollout.kv.budgets=[64,32]"])
+    with pytest.raises(ConfigError, match="rollout.vllm.tensor_parallel_size"):
+        load_config(["rollout.engine=vllm", "rollout.kv.policy=snapkv",
+                     "rollout.vllm.tensor_parallel_size=2", "cluster.rollout_gpus=2"])
+    with pytest.raises(ConfigError, match="rollout.kv.probe_share"):
+        load_config(["rollout.engine=vllm", "rollout.kv.policy=snapkv", "rollout.kv.probe_share=0.1"])
 
 
 def test_async_needs_a_buffer_that_keeps_one_version_old_samples():

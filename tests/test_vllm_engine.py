@@ -148,12 +148,11 @@ def test_bad_weights_rejected_before_reload(dense):
     assert len(dense.generate(PROMPTS[:1], greedy(4))[0].response_ids) == 4   # still alive
 
 
-def test_score_based_policies_refused(model_dir):
+def test_evicting_engine_refuses_tensor_parallelism(model_dir):
     from actors.vllm import VLLMEngine
 
-    for policy in ("h2o", "snapkv", "rkv"):
-        with pytest.raises(ConfigError, match="rollout.kv.policy"):
-            VLLMEngine(model_dir, KVConfig(policy=policy, budget=64))
+    with pytest.raises(ConfigError, match="rollout.vllm.tensor_parallel_size"):
+        VLLMEngine(model_dir, KVConfig(policy="snapkv", budget=64), tensor_parallel_size=2)
 
 
 def test_from_config_and_weight_spec(dense):

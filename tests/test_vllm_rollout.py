@@ -47,11 +47,11 @@ def model_dir(tmp_path_factory):
     return str(build_model(tmp_path_factory.mktemp("vllm_rollout"), **VLLM_CPU))
 
 
-def actor(model_dir, engine: str, kv: KVConfig):
+def actor(model_dir, engine: str, kv: KVConfig, **kw):
     from actors.rollout import RolloutActor
 
     cfg = RolloutConfig(engine=engine, model_path=model_dir, samples_per_prompt=3,
-                        max_new_tokens=8, batch_size=8, kv=kv)
+                        max_new_tokens=kw.pop("max_new_tokens", 8), batch_size=8, kv=kv, **kw)
     a = RolloutActor(cfg, task_cfg=None, model_path=model_dir, actor_id=1)
     a._task = ContainsAnswer()
     return a
@@ -89,15 +89,60 @@ def test_rows_same_shape_as_native(model_dir):
 
 
 @needs_hook
+def test_evicting_rows_staleness_split_and_dense_evaluation(model_dir):
+    """SnapKV on vLLM: rows as the native engine's (per-bin budgets recorded, same greedy
+    tokens and sampler log-probs within 1e-4), the staleness split's dense log-probs from the
+    actor's HF copy equal the native actor's, and evaluation decodes without eviction."""
+    from common.modeling import load_model
+
+    kv = KVConfig(policy="snapkv", budgets=[12, 8], bin_tokens=16, compress_every=4,
+                  obs_window=2, pool_kernel=3)
+    kw = dict(max_new_tokens=24, temperature=1.0, dense_logprobs=True)
+    v, n = actor(model_dir, "vllm", kv, **kw), actor(model_dir, "native", kv, **kw)
+    hf = load_model(model_dir)
+    named = [(k, p.detach() * 1.25) for k, p in hf.named_parameters()]
+    v.load_weights(named, 2)
+    n.load_weights(named, 2)
+    rv, rn = v.rollout(PROBLEMS, version=2), n.rollout(PROBLEMS, version=2)
+    for a, b in zip(rv, rn):
+        assert set(a) == set(b)
+        assert a["kv_bin_budgets"] == b["kv_bin_budgets"] and a["kv_bin_budgets"][0] == 12
+        assert a["kv_policy"] == "snapkv" and a["kv_budget"] == b["kv_budget"]
+        # sampled tokens differ (vLLM's and our RNG); the dense pass is the same function
+        want = n._dense_sampler_logprobs([_Out(a)])[0]
+        assert max(abs(x - y) for x, y in zip(a["dense_sampler_logprobs"], want)) < 1e-5
+    assert any(r["kept_ratio"] < 1.0 for r in rv)
+    same = ("accuracy", "mean_response_len", "kept_ratio")   # not timings or block-granular KV
+    pick = lambda d: {k: d[k] for k in same}  # noqa: E731
+    dense_v, dense_n = v.evaluate(PROBLEMS, greedy=True), n.evaluate(PROBLEMS, greedy=True)
+    assert pick(dense_v) == pytest.approx(pick(dense_n)) and dense_v["kept_ratio"] == 1.0
+    sparse_v = v.evaluate(PROBLEMS, greedy=True, dense=False)
+    sparse_n = n.evaluate(PROBLEMS, greedy=True, dense=False)
+    assert pick(sparse_v) == pytest.approx(pick(sparse_n)) and sparse_v["kept_ratio"] < 1.0
+
+
+class _Out:
+    """A row seen as a GenerationOutput (prompt and response ids) for the dense pass."""
+
+    def __init__(self, row):
+        self.prompt_ids, self.response_ids = row["prompt_ids"], row["response_ids"]
+
+
+@needs_hook
 @pytest.mark.slow
 @pytest.mark.skipif(not (ROOT / "launch" / "train.py").is_file(), reason="no launch/train.py")
-def test_train_few_steps_with_vllm(tmp_path):
-    """Two RL steps with vLLM rollouts (sliding window) on the tiny model, in a subprocess."""
+@pytest.mark.parametrize("policy", ["streaming", "rkv"])
+def test_train_few_steps_with_vllm(tmp_path, policy):
+    """Two RL steps with vLLM rollouts on the tiny model, in a subprocess: sliding window, and
+    R-KV eviction in async mode with the staleness split."""
     model = build_model(tmp_path / "model", **{**VLLM_CPU, "hidden_size": 128,
                                                 "num_attention_heads": 4, "num_key_value_heads": 2})
+    kv = (["rollout.kv.policy=streaming", "rollout.kv.budget=32", "rollout.kv.sink_tokens=0"]
+          if policy == "streaming" else
+          ["--config", "launch/configs/async.yaml", "rollout.kv.policy=rkv",
+           "rollout.kv.budget=12", "rollout.kv.compress_every=4", "rollout.kv.obs_window=2"])
     args = [sys.executable, str(ROOT / "launch" / "train.py"), "rollout.engine=vllm",
-            f"rollout.model_path={model}", "rollout.kv.policy=streaming", "rollout.kv.budget=32",
-            "rollout.kv.sink_tokens=0", "rollout.samples_per_prompt=2",
+            f"rollout.model_path={model}", *kv, "rollout.samples_per_prompt=2",
             "rollout.max_new_tokens=16", "run.steps=2", "run.prompts_per_step=2",
             "run.eval_problems=4", f"run.out_dir={tmp_path / 'runs'}", "run.name=vllm-e2e"]
     env = dict(os.environ, RAY_AUTH_MODE="disabled", HOME=str(tmp_path))

@@ -1,5 +1,6 @@
-"""``VLLMEngine``: the ``actors.engine.Engine`` protocol on vLLM (in-process ``LLM``), dense or with a
-sliding-window KV cache (``rollout.kv.policy=streaming``).
+"""``VLLMEngine``: the ``actors.engine.Engine`` protocol on vLLM (in-process ``LLM``), dense, with a
+sliding-window KV cache (``rollout.kv.policy=streaming``) or with score-based eviction (``h2o``,
+``snapkv``, ``rkv``: ``actors/vllm/evict``, blocks returned to vLLM's pool as requests compact).
 
 * Log-probs: the engine runs with ``logprobs_mode="processed_logprobs"``: the log-prob of each sampled
   token under the distribution it was drawn from (after temperature, top-k, top-p), as the native
@@ -41,6 +42,7 @@ from actors.config import KVConfig, longest_prompt
 from actors.engine import GenerationOutput, SamplingParams
 from actors.vllm import kv as kvmod
 from actors.vllm.env import setup_env
+from actors.vllm.evict.rule import DENSE_PREFIX
 from actors.vllm.weights import Ledger, hf_skeleton, spec_of, validate
 from common.errors import ConfigError
 
@@ -53,13 +55,16 @@ class VLLMEngine:
                  max_model_len: int | None = None, seed: int = 0, threads: int | None = 1,
                  enforce_eager: bool | None = None,
                  block_size: int | None = None, gpu_memory_utilization: float = 0.9,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, trace: bool = False,
+                 scoring_copy: bool = False):
         setup_env()
         self.model_path = str(model_path)
         self.kv = kv or KVConfig()
         self.kv.validate("rollout.kv")
         self.policy = kvmod.check_policy(self.kv)
         self.window = kvmod.window_of(self.kv)
+        self.evicting = kvmod.evicting(self.kv)
+        self.trace = bool(trace)
         self.dtype = DTYPES[getattr(dtype, "value", dtype)]
         self.batch_size = int(batch_size)
         # Meta-device HF model: names/shapes for the weight spec (RolloutActor.weight_spec uses
@@ -68,6 +73,14 @@ class VLLMEngine:
         self._spec = spec_of(self.model)
         self._ledger = Ledger(self.dtype)
         self._ledger.record_checkpoint(self.model_path, self._spec)
+        # An HF model with the same weights, for teacher-forced dense log-probs in the actor
+        # (rollout.dense_logprobs, the staleness split): vLLM's prompt log-probs are at
+        # temperature 1 only. One more copy of the weights; kept in step by load_weights.
+        self.scoring_model = None
+        if scoring_copy:
+            from common.modeling import load_model
+
+            self.scoring_model = load_model(self.model_path, dtype=self.dtype)
         self.version = 0
         self.last_stats: dict = {}
         self._calls = 0
@@ -77,6 +90,11 @@ class VLLMEngine:
         self.gpu_memory_utilization = float(gpu_memory_utilization)
         self.tensor_parallel_size = int(tensor_parallel_size)
         self.llm = self._start(kv_cache_bytes, max_model_len, seed, enforce_eager, block_size)
+        self.eviction = None
+        if self.evicting:
+            from actors.vllm.evict.install import install
+
+            self.eviction = install(self.llm, self.kv, trace=self.trace)
         self.meter = kvmod.KVMeter(self.llm)
 
     @classmethod
@@ -88,7 +106,8 @@ class VLLMEngine:
         kw = dict(kv=cfg.kv, batch_size=cfg.batch_size, dtype=getattr(cfg.dtype, "value", cfg.dtype),
                   seed=cfg.seed, kv_cache_bytes=v.kv_cache_bytes or None,
                   gpu_memory_utilization=v.gpu_memory_utilization,
-                  tensor_parallel_size=v.tensor_parallel_size)
+                  tensor_parallel_size=v.tensor_parallel_size,
+                  scoring_copy=bool(cfg.dense_logprobs))
         if "max_model_len" not in overrides:
             from transformers import AutoConfig
 
@@ -108,10 +127,14 @@ class VLLMEngine:
 
     def _pool_bytes(self, max_model_len: int, block_size: int | None) -> int:
         """Default KV pool: every one of ``batch_size`` sequences at its longest (``max_model_len``
-        tokens dense, the window + 2 blocks sliding), plus a block each; within [16 MiB, 1 GiB]."""
+        tokens dense, the window + 2 blocks sliding, the largest budget + ``compress_every`` + a
+        block evicting), plus a block each; within [16 MiB, 1 GiB]."""
         block = block_size or 128
-        tokens = max_model_len if self.window is None else min(max_model_len,
-                                                               self.window + 2 * block)
+        tokens = max_model_len
+        if self.window is not None:
+            tokens = min(max_model_len, self.window + 2 * block)
+        elif self.evicting:
+            tokens = min(max_model_len, max(self.kv.bin_budgets()) + self.kv.compress_every + block)
         need = self.batch_size * (tokens + block) * self.kv_bytes_per_token()
         return int(min(max(need, 16 << 20), 1 << 30))
 
@@ -134,6 +157,10 @@ class VLLMEngine:
             enforce_eager=cpu if enforce_eager is None else enforce_eager,
             hf_overrides=kvmod.hf_overrides(self.kv, self.model.config.num_hidden_layers),
             max_model_len=max_model_len, tensor_parallel_size=self.tensor_parallel_size)
+        if self.evicting:
+            from actors.vllm.evict.install import llm_kwargs
+
+            kwargs.update(llm_kwargs(self.kv))
         if cpu:  # no device memory to take a share of: an explicit pool
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes or
                                                   self._pool_bytes(max_model_len, block_size))
@@ -167,6 +194,10 @@ class VLLMEngine:
         if heads % tp:
             raise ConfigError("rollout.vllm.tensor_parallel_size", tp,
                               f"a divisor of the model's {heads} attention heads")
+        if tp > 1 and self.evicting:
+            raise ConfigError("rollout.vllm.tensor_parallel_size", tp,
+                              f"1 with rollout.kv.policy={self.kv.policy.value} (every worker would "
+                              "need the same kept sets: not implemented)")
 
     # ---- generation ------------------------------------------------------------------------------
     def _sampling(self, params: SamplingParams, index: int):
@@ -184,7 +215,10 @@ class VLLMEngine:
                    stop=list(params.stop) or None, detokenize=bool(params.stop))
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 dense: bool = False) -> list[GenerationOutput]:
+        """``dense=True``: these requests are never compacted (evaluation of the model itself on
+        an evicting engine, ``dense_view``); other policies ignore it (dense or windowed)."""
         if self._broken:
             raise RuntimeError(self._broken)
         if any(len(p) == 0 for p in prompts):
@@ -198,7 +232,7 @@ class VLLMEngine:
         finished: dict[int, object] = {}
         try:
             for i, p in enumerate(prompts):
-                ext = f"c{call}-r{i}"
+                ext = f"{DENSE_PREFIX if dense and self.evicting else ''}c{call}-r{i}"
                 rid = engine.add_request(ext, {"prompt_token_ids": [int(t) for t in p]},
                                          self._sampling(params, i))
                 index[ext] = index[rid] = i
@@ -213,14 +247,22 @@ class VLLMEngine:
                 engine.abort_request(internal, internal=True)
             raise
         elapsed = time.perf_counter() - t0
-        outs = [self._output(prompts[i], finished[i], internal[i]) for i in range(len(prompts))]
+        traces = {}
+        if self.evicting and self.trace:
+            from actors.vllm.evict.install import traces as fetch
+
+            traces = fetch(self.llm, internal)
+        outs = [self._output(prompts[i], finished[i], internal[i], traces.get(internal[i], []),
+                             dense) for i in range(len(prompts))]
         self.last_stats = {"allocated_kv_bytes": self.meter.pool_bytes(),
                            "peak_kv_bytes": self.meter.peak_total, "time_s": elapsed,
                            "concurrent_requests": self.meter.concurrent,
+                           "max_concurrent_requests": self.meter.max_concurrent,
+                           "preemptions": self.meter.preemptions,
                            "tokens": sum(len(o.response_ids) for o in outs)}
         return outs
 
-    def _output(self, prompt, req_out, rid: str) -> GenerationOutput:
+    def _output(self, prompt, req_out, rid: str, trace: list, dense: bool) -> GenerationOutput:
         c = req_out.outputs[0]
         ids = [int(t) for t in c.token_ids]
         logps = [float(next(iter(d.values())).logprob) if len(d) == 1 else
@@ -228,10 +270,24 @@ class VLLMEngine:
         if len(logps) != len(ids):
             raise RuntimeError(f"vllm engine: {len(logps)} log-probs for {len(ids)} tokens")
         reason = "stop" if c.finish_reason == "stop" else "length"
+        if dense and self.evicting:
+            kept, bin_budgets = 1.0, []
+        elif self.evicting:
+            kept = kvmod.evicted_kept_ratio(len(prompt), len(ids), self.kv)
+            bins = -(-(len(prompt) + len(ids)) // self.kv.bin_tokens)
+            budgets = self.kv.bin_budgets()
+            bin_budgets = [budgets[min(b, len(budgets) - 1)] for b in range(bins)]
+        else:
+            kept, bin_budgets = kvmod.kept_ratio(len(prompt), len(ids), self.window), []
         return GenerationOutput(
             prompt_ids=list(prompt), response_ids=ids, logprobs=logps, finish_reason=reason,
-            kept_ratio=kvmod.kept_ratio(len(prompt), len(ids), self.window),
-            peak_kv_bytes=int(self.meter.peak.get(rid, 0)))
+            kept_ratio=kept, peak_kv_bytes=int(self.meter.peak.get(rid, 0)), trace=trace,
+            bin_budgets=bin_budgets)
+
+    def dense_view(self) -> "DenseView":
+        """This engine decoding with a full cache (``generate(..., dense=True)``): evaluation
+        measures the model, not the sparse sampler."""
+        return DenseView(self)
 
     # ---- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -256,6 +312,10 @@ class VLLMEngine:
                             f"on the meta device: rebuild the engine")
             raise
         self.llm.reset_prefix_cache()
+        if self.scoring_model is not None:
+            params = dict(self.scoring_model.named_parameters())
+            for name, tensor in items:
+                params[name].data.copy_(tensor)
         self._ledger.record(items)
         self.version = int(version)
 
@@ -264,6 +324,17 @@ class VLLMEngine:
         parameters are fused/repacked and cannot be read back as HF tensors), each tensor's
         share computed on the device it arrived on."""
         return self._ledger.checksum()
+
+
+class DenseView:
+    """``generate`` of a vLLM engine with every request dense (the ``Engine`` protocol's call)."""
+
+    def __init__(self, engine: VLLMEngine):
+        self.engine = engine
+        self.policy = kvmod.KVPolicy("dense")
+
+    def generate(self, prompts, params: SamplingParams) -> list[GenerationOutput]:
+        return self.engine.generate(prompts, params, dense=True)
 
 
 def derive_max_model_len(cfg, model_config) -> int:

@@ -1,4 +1,4 @@
-"""KV policies on vLLM: which ones map onto vLLM's KV manager, and KV accounting per sequence.
+"""KV policies on vLLM: which mechanism runs each, and KV accounting per sequence.
 
 * ``dense``: vLLM's paged cache as is.
 * ``streaming``: vLLM's sliding-window attention, switched on through ``hf_overrides`` (every layer
@@ -9,17 +9,18 @@
   vLLM's window has none), the window slides every token instead of every ``compress_every`` steps,
   and the prompt's own prefill is windowed too (the native engine prefills densely, then compresses).
   Both keep absolute RoPE positions (no renumbering inside the window).
-* ``h2o``, ``snapkv``, ``rkv``: not available (``ConfigError`` naming ``rollout.kv.policy``). They
-  choose tokens by attention scores; vLLM's fused attention kernels return no scores, and which blocks
-  a request holds is decided by the scheduler's KV manager, which an attention-backend plugin cannot
-  change, so a plugin could mask tokens but never free their memory. See docs/VLLM.md.
+* ``h2o``, ``snapkv``, ``rkv``: score-based eviction (``actors/vllm/evict``): every
+  ``compress_every`` decode steps a request's cache is scored by the native engine's policy code,
+  compacted in place to ``budget`` slots per layer and KV head, and the blocks it no longer needs
+  go back to vLLM's block pool. Same rule, budgets and kept sets as the native engine.
 """
 from __future__ import annotations
 
 from actors.config import KVConfig, KVPolicy
 from common.errors import ConfigError
 
-SUPPORTED = (KVPolicy("dense"), KVPolicy("streaming"))
+SUPPORTED = tuple(KVPolicy)
+EVICTING = (KVPolicy("h2o"), KVPolicy("snapkv"), KVPolicy("rkv"))   # through actors/vllm/evict
 
 
 def policy_of(kv: KVConfig) -> KVPolicy:
@@ -30,11 +31,14 @@ def check_policy(kv: KVConfig, prefix: str = "rollout.kv") -> KVPolicy:
     """The policy, or ConfigError if vLLM cannot run it."""
     policy = policy_of(kv)
     if policy not in SUPPORTED:
-        raise ConfigError(
-            f"{prefix}.policy", policy.value,
-            "'dense' or 'streaming' with rollout.engine=vllm (vLLM has no score-based KV eviction: "
-            "h2o, snapkv and rkv need rollout.engine=native; see docs/VLLM.md)")
+        raise ConfigError(f"{prefix}.policy", policy.value,
+                          f"one of {[p.value for p in SUPPORTED]} with rollout.engine=vllm")
     return policy
+
+
+def evicting(kv: KVConfig) -> bool:
+    """Whether the policy runs through score-based eviction (``actors/vllm/evict``)."""
+    return check_policy(kv) in EVICTING
 
 
 def window_of(kv: KVConfig) -> int | None:
@@ -63,6 +67,21 @@ def kept_ratio(prompt_len: int, response_len: int, window: int | None) -> float:
     return total / response_len
 
 
+def evicted_kept_ratio(prompt_len: int, response_len: int, kv: KVConfig) -> float:
+    """``kept_ratio`` of an evicting policy, counted as the native engine counts it: the prefill
+    1.0, the decode step writing position t attends ``length(t) + 1`` of ``t + 1`` keys
+    (``evict.rule``: the same compactions the runner made)."""
+    from actors.vllm.evict.rule import BudgetTable, CacheLength
+
+    if response_len == 0:
+        return 1.0
+    cache = CacheLength(BudgetTable(kv), prompt_len)
+    total = 1.0
+    for t in range(prompt_len, prompt_len + response_len - 1):
+        total += (cache.at(t).length + 1) / (t + 1)
+    return total / response_len
+
+
 class KVMeter:
     """Counts, right after every scheduling step (blocks for that step allocated, blocks that left
     the sliding window freed), the KV blocks each running request holds in vLLM's KV manager. Null
@@ -87,11 +106,26 @@ class KVMeter:
             return out
 
         self.scheduler.schedule = schedule_and_count
+        preempt = self.scheduler._preempt_request
+
+        def preempt_and_count(*args, **kwargs):
+            self.preemptions += 1
+            return preempt(*args, **kwargs)
+
+        self.scheduler._preempt_request = preempt_and_count
 
     def reset(self) -> None:
         self.peak: dict[str, int] = {}
         self.peak_total = 0
-        self.concurrent = 0      # most requests running (holding KV) after one scheduling step
+        self.max_concurrent = 0  # most requests running (holding KV) after one scheduling step
+        self.running_steps = 0   # scheduling steps with a running request, and their sum:
+        self.running_sum = 0     # the mean is how many requests the pool really keeps going
+        self.preemptions = 0     # requests vLLM preempted (blocks freed, recomputed later)
+
+    @property
+    def concurrent(self) -> float:
+        """Mean requests running per scheduling step (steps with none left out)."""
+        return self.running_sum / self.running_steps if self.running_steps else 0.0
 
     def request_bytes(self, req_id: str) -> int:
         total = 0
@@ -101,7 +135,10 @@ class KVMeter:
         return total
 
     def sample(self, requests) -> None:
-        self.concurrent = max(self.concurrent, len(requests))
+        self.max_concurrent = max(self.max_concurrent, len(requests))
+        if requests:
+            self.running_steps += 1
+            self.running_sum += len(requests)
         step_total = 0
         for req in requests:
             rid = req.request_id

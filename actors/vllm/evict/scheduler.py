@@ -1,0 +1,108 @@
+"""The scheduler side of score-based eviction: blocks sized by the compacted cache, tail freed.
+
+vLLM's KV cache manager gives a request ``cdiv(num_computed_tokens + new, block_size)`` blocks.
+With eviction a request holds only ``CacheLength.at(t).length`` slots (``rule.py``), so the
+hooks (installed by ``install.py`` on the in-process engine core) do two things:
+
+* while ``allocate_slots`` runs for a request, the coordinator's block arithmetic
+  (``get_num_blocks_to_allocate``, ``allocate_new_blocks``) sees token counts minus the
+  request's offset (position - slot): the request is allocated for the slots it really fills;
+* when the step compacts the request, and only once its allocation succeeded (so a request left
+  unscheduled keeps its data), the blocks past those the compacted cache and the step's new
+  tokens need are returned to the block pool. The runner compacts before anything else
+  touches the pool's blocks in that step (``worker.py``), so the freed blocks can go to other
+  requests, or admit new ones, in the very same step.
+
+A preempted request is recomputed from scratch (vLLM frees all its blocks); its cache is then
+rebuilt densely from prompt + outputs and compacted from there (prefill length = all its tokens).
+"""
+from __future__ import annotations
+
+import inspect
+
+from actors.config import KVConfig
+from actors.vllm.evict.rule import BudgetTable, CacheLength
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class SchedulerEviction:
+    def __init__(self, scheduler, kv: KVConfig):
+        self.table = BudgetTable(kv)
+        self.manager = scheduler.kv_cache_manager
+        self.coordinator = self.manager.coordinator
+        managers = self.coordinator.single_type_managers
+        if len(managers) != 1:
+            raise ValueError(f"KV eviction on vLLM needs one KV cache group, got {len(managers)}")
+        self.blocks = managers[0]
+        self.block_size = int(self.blocks.block_size)
+        self.rules: dict[str, CacheLength] = {}
+        self.offset: dict[str, int] = {}           # set only while allocate_slots runs
+        self.freed_blocks = 0                      # returned to the pool by compactions
+        self._wrap()
+
+    def _wrap(self) -> None:
+        allocate = self.manager.allocate_slots
+        count, grow = self.coordinator.get_num_blocks_to_allocate, \
+            self.coordinator.allocate_new_blocks
+        free = self.manager.free
+        count_sig, grow_sig = inspect.signature(count), inspect.signature(grow)
+        shifted = ("num_tokens", "num_tokens_main_model", "total_computed_tokens",
+                   "num_local_computed_tokens")
+
+        def shift(sig, args, kwargs):
+            bound = sig.bind(*args, **kwargs)
+            off = self.offset.get(bound.arguments["request_id"], 0)
+            if off:
+                for name in shifted:
+                    if name in bound.arguments:
+                        bound.arguments[name] -= off
+            return bound.args, bound.kwargs
+
+        def count_blocks(*args, **kwargs):
+            a, k = shift(count_sig, args, kwargs)
+            return count(*a, **k)
+
+        def allocate_new(*args, **kwargs):
+            a, k = shift(grow_sig, args, kwargs)
+            return grow(*a, **k)
+
+        def allocate_slots(request, num_new_tokens, *args, **kwargs):
+            return self._allocate(allocate, request, num_new_tokens, args, kwargs)
+
+        def free_request(request):
+            self.rules.pop(request.request_id, None)
+            return free(request)
+
+        self.coordinator.get_num_blocks_to_allocate = count_blocks
+        self.coordinator.allocate_new_blocks = allocate_new
+        self.manager.allocate_slots = allocate_slots
+        self.manager.free = free_request
+
+    def rule(self, request) -> CacheLength:
+        rid, t = request.request_id, int(request.num_computed_tokens)
+        rule = self.rules.get(rid)
+        if rule is None or (t == 0 and rule._t > 0):      # new, or recomputed after preemption
+            rule = self.rules[rid] = CacheLength(self.table.for_request(rid),
+                                                 int(request.num_tokens))
+        return rule
+
+    def _allocate(self, allocate, request, num_new_tokens, args, kwargs):
+        rid = request.request_id
+        step = self.rule(request).at(int(request.num_computed_tokens))
+        self.offset[rid] = step.offset
+        try:
+            blocks = allocate(request, num_new_tokens, *args, **kwargs)
+        finally:
+            self.offset.pop(rid, None)
+        if blocks is not None and step.compacts:
+            lookahead = int(kwargs.get("num_lookahead_tokens", 0) or 0)
+            keep = _cdiv(step.length + int(num_new_tokens) + lookahead, self.block_size)
+            held = self.blocks.req_to_blocks[rid]
+            tail = held[keep:]
+            del held[keep:]
+            self.manager.block_pool.free_blocks(reversed(tail))
+            self.freed_blocks += len(tail)
+        return blocks
