@@ -6,6 +6,9 @@
 * dense scorer on CUDA in bf16: the frozen reference and the batch-composition tolerance;
 * vLLM (CUDA build) in bf16: generate, reload weights from CUDA tensors (no trip through host
   memory), reload the originals and get the same outputs back;
+* vLLM KV eviction (h2o, snapkv, rkv) on the CUDA backend (FlashAttention/FlashInfer, piecewise
+  CUDA graphs): the layout probe on the GPU cache, fp32 greedy tokens and kept sets equal to the
+  native engine's on CUDA, log-probs equal to the recomputation over the kept sets;
 * NCCL weight broadcast (cluster.weight_sync) between two processes, one GPU each (needs 2 GPUs),
   and a peer dying mid-broadcast: an error in the sender, not a process abort (2 GPUs); a group of
   one on one GPU (blocking-wait construction, the gate) and checksums equal on GPU and CPU;
@@ -193,6 +196,30 @@ def _nccl_worker(rank: int, port: int, path: str, q) -> None:
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2,
                     reason="NCCL needs one GPU per rank: 2 GPUs")
+@pytest.mark.parametrize("policy", ["h2o", "snapkv", "rkv"])
+def test_vllm_eviction_on_cuda_equals_native(tmp_path, policy):
+    pytest.importorskip("vllm")
+    from actors.native import NativeEngine
+    from actors.native.reference import recompute_logprobs
+    from actors.vllm import VLLMEngine
+
+    path = build_model(tmp_path / "m", seed=0, **VLLM_CPU)
+    cfg = KVConfig(policy=policy, budget=40, compress_every=24, obs_window=4, pool_kernel=3)
+    eng = VLLMEngine(path, cfg, batch_size=8, dtype="float32", kv_cache_bytes=64 << 20,
+                     gpu_memory_utilization=0.3, trace=True)
+    prompts = [[1, 40, 41, 42, 43], [1] + list(range(70, 120)), [1, 50]]
+    params = SamplingParams(max_new_tokens=64, temperature=0.0)
+    model = load_model(path).to("cuda")
+    v = eng.generate(prompts, params)
+    n = NativeEngine(model, cfg, batch_size=8, trace=True).generate(prompts, params)
+    assert any(o.trace for o in v)
+    for a, b in zip(v, n):
+        assert a.response_ids == b.response_ids
+        assert all(x[0] == y[0] and torch.equal(x[1], y[1].cpu()) for x, y in zip(a.trace, b.trace))
+        rec = recompute_logprobs(model, a.prompt_ids, a.response_ids, a.trace, temperature=0)
+        assert (rec - torch.tensor(a.logprobs)).abs().max().item() < 1e-3
+
+
 def test_nccl_weight_broadcast_between_two_gpus(tiny):
     from cluster.weight_sync import free_port
 

@@ -147,3 +147,26 @@ def test_engine_refuses_what_the_model_cannot_do(llm_kwargs, model_dir, monkeypa
     with pytest.raises(ConfigError, match="max_model_len.*max_position_embeddings \\(1024\\)"):
         VLLMEngine.from_config(_rollout(max_model_len=4096), model_dir)
     assert not llm_kwargs                                           # refused before vLLM starts
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_evicting_policies_get_no_prefix_cache_sync_scheduling_and_eager_attention(
+        llm_kwargs, model_dir, monkeypatch, gpu):
+    """KV eviction (actors/vllm/evict/install.py): prefix caching off, synchronous scheduling, and
+    on GPU CUDA graphs only piecewise (the hooked attention must run every step); the default
+    CPU pool is sized by the largest budget + N, not by max_model_len."""
+    _gpu(monkeypatch, gpu)
+    cfg = _rollout(max_model_len=1000)
+    cfg.kv = KVConfig(policy="snapkv", budget=64, compress_every=32)
+    _start(cfg, model_dir)
+    assert llm_kwargs["enable_prefix_caching"] is False and llm_kwargs["async_scheduling"] is False
+    if gpu:
+        assert llm_kwargs["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
+    else:
+        assert "compilation_config" not in llm_kwargs
+        dense = dict(llm_kwargs)
+        llm_kwargs.clear()
+        cfg.kv = KVConfig(policy="dense")
+        _start(cfg, model_dir)
+        assert "enable_prefix_caching" not in llm_kwargs
+        assert dense["kv_cache_memory_bytes"] <= llm_kwargs["kv_cache_memory_bytes"]

@@ -160,7 +160,7 @@ class VLLMEngine:
         if self.evicting:
             from actors.vllm.evict.install import llm_kwargs
 
-            kwargs.update(llm_kwargs(self.kv))
+            kwargs.update(llm_kwargs(self.kv, cpu))
         if cpu:  # no device memory to take a share of: an explicit pool
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes or
                                                   self._pool_bytes(max_model_len, block_size))

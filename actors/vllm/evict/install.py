@@ -6,9 +6,10 @@ slots new tokens go to by the model runner's input preparation. So the hooks are
 the live objects of one engine, and only on the vLLM versions they were written against
 (``SUPPORTED``): every hooked method's behaviour is pinned by ``tests/test_vllm_evict.py``.
 
-* ``llm_kwargs(kv)``: what ``LLM(...)`` must be built with: prefix caching off (compacted blocks
-  hold no prompt prefix anyone else could share) and synchronous scheduling (the runner compacts
-  at the start of the step the scheduler planned, before the next step is scheduled).
+* ``llm_kwargs(kv, cpu)``: what ``LLM(...)`` must be built with: prefix caching off (compacted
+  blocks hold no prompt prefix anyone else could share), synchronous scheduling (the runner
+  compacts at the start of the step the scheduler planned, before the next step is scheduled)
+  and, on GPU, piecewise CUDA graphs (attention outside the graphs).
 * ``install(llm, kv, trace)``: runner hooks through ``collective_rpc`` (``worker.py``), scheduler
   hooks on the in-process engine core (``scheduler.py``). Tensor parallelism is refused: each
   worker would need the same kept sets (scores reduced across the heads it holds).
@@ -30,8 +31,14 @@ def check_version() -> str:
     return vllm.__version__
 
 
-def llm_kwargs(kv: KVConfig) -> dict:
-    return {"enable_prefix_caching": False, "async_scheduling": False}
+def llm_kwargs(kv: KVConfig, cpu: bool) -> dict:
+    """On GPU, CUDA graphs only around the layers' dense parts (``PIECEWISE``): attention runs
+    eagerly, so the hooked ``impl.forward`` observes every step (a full graph would replay the
+    kernel without it)."""
+    kw = {"enable_prefix_caching": False, "async_scheduling": False}
+    if not cpu:
+        kw["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
+    return kw
 
 
 def install_worker(worker, kv: KVConfig, trace: bool) -> int:
