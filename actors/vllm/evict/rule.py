@@ -74,6 +74,7 @@ class CacheLength:
     def __init__(self, table: BudgetTable, prefill_len: int):
         self.table, self.prefill_len = table, int(prefill_len)
         self._t, self._n = 0, 0        # tokens processed, slots held after processing them
+        self._last: Step | None = None  # scheduler and runner ask for the same t several times
 
     def _before(self, t: int, n: int) -> int:
         """Slots held right before writing t, after any compaction due there."""
@@ -86,13 +87,16 @@ class CacheLength:
 
     def at(self, t: int) -> Step:
         """The cache right before writing position ``t`` (``t`` never decreases)."""
+        if self._last is not None and self._last.t == t:
+            return self._last
         if t < self._t:
             raise ValueError(f"cache length asked for position {t} after {self._t} (positions "
                              "only grow; a recomputed request needs a new CacheLength)")
         while self._t < t:
             self._n = self._before(self._t, self._n) + 1
             self._t += 1
-        return Step(t, self._n, self._before(t, self._n))
+        self._last = Step(t, self._n, self._before(t, self._n))
+        return self._last
 
 
 DENSE = BudgetTable(KVConfig(policy="dense"))

@@ -18,8 +18,6 @@ rebuilt densely from prompt + outputs and compacted from there (prefill length =
 """
 from __future__ import annotations
 
-import inspect
-
 from actors.config import KVConfig
 from actors.vllm.evict.rule import BudgetTable, CacheLength
 
@@ -48,26 +46,23 @@ class SchedulerEviction:
         count, grow = self.coordinator.get_num_blocks_to_allocate, \
             self.coordinator.allocate_new_blocks
         free = self.manager.free
-        count_sig, grow_sig = inspect.signature(count), inspect.signature(grow)
         shifted = ("num_tokens", "num_tokens_main_model", "total_computed_tokens",
                    "num_local_computed_tokens")
 
-        def shift(sig, args, kwargs):
-            bound = sig.bind(*args, **kwargs)
-            off = self.offset.get(bound.arguments["request_id"], 0)
+        # vLLM 0.32 passes these by keyword (count) and positionally (grow): the version check
+        # in install.py pins that; no signature binding on this per-request, per-step path
+        def count_blocks(**kwargs):
+            off = self.offset.get(kwargs["request_id"], 0)
             if off:
                 for name in shifted:
-                    if name in bound.arguments:
-                        bound.arguments[name] -= off
-            return bound.args, bound.kwargs
+                    if name in kwargs:
+                        kwargs[name] -= off
+            return count(**kwargs)
 
-        def count_blocks(*args, **kwargs):
-            a, k = shift(count_sig, args, kwargs)
-            return count(*a, **k)
-
-        def allocate_new(*args, **kwargs):
-            a, k = shift(grow_sig, args, kwargs)
-            return grow(*a, **k)
+        def allocate_new(request_id, num_tokens, num_tokens_main_model, *args, **kwargs):
+            off = self.offset.get(request_id, 0)
+            return grow(request_id, num_tokens - off, num_tokens_main_model - off, *args,
+                        **kwargs)
 
         def allocate_slots(request, num_new_tokens, *args, **kwargs):
             return self._allocate(allocate, request, num_new_tokens, args, kwargs)
