@@ -165,17 +165,28 @@ def test_blocks_are_returned_and_admit_more_requests(model_dir):
 
 
 def test_stop_strings_and_weight_reload(model_dir, hf):
-    """Stop tokens end a request with eviction on; a reload changes the outputs and reloading the
-    originals restores them exactly (the compacted requests of the earlier call left nothing)."""
-    from common.modeling import load_model
+    """Stop tokens and stop strings end a request with eviction on, as in the native engine,
+    after compactions; a reload changes the outputs and reloading the originals restores them
+    exactly (the compacted requests of the earlier call left nothing behind)."""
+    from actors.native import NativeEngine
+    from common.modeling import load_model, load_tokenizer
 
-    eng = vllm_engine(model_dir, kv("snapkv", budget=24, compress_every=8))
+    cfg = kv("snapkv", budget=24, compress_every=8)
+    eng = vllm_engine(model_dir, cfg)
     first = eng.generate(PROMPTS, greedy(40))
     stop = first[0].response_ids[30]
     cut = eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=40, temperature=0.0,
                                                    stop_token_ids=(stop,)))[0]
     assert cut.finish_reason == "stop" and cut.response_ids[-1] == stop
     assert cut.response_ids == first[0].response_ids[:len(cut.response_ids)]
+    assert cut.trace, "the stop lands after a compaction"
+    text = load_tokenizer(model_dir).decode(first[1].response_ids[33:35], skip_special_tokens=True)
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, stop=(text, "\x7f\x7f"))
+    v = eng.generate(PROMPTS, params)
+    n = NativeEngine(hf, cfg, batch_size=8, trace=True).generate(PROMPTS, params)
+    assert v[1].finish_reason == "stop" and len(v[1].response_ids) < 40
+    for a, b in zip(v, n):
+        assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
     original = {k: v.detach().clone() for k, v in load_model(model_dir).named_parameters()}
     eng.load_weights([(k, v * 1.5 if k.endswith("q_proj.weight") else v)
                       for k, v in original.items()], version=1)
