@@ -180,7 +180,12 @@ def test_stop_strings_and_weight_reload(model_dir, hf):
     assert cut.finish_reason == "stop" and cut.response_ids[-1] == stop
     assert cut.response_ids == first[0].response_ids[:len(cut.response_ids)]
     assert cut.trace, "the stop lands after a compaction"
-    text = load_tokenizer(model_dir).decode(first[1].response_ids[33:35], skip_special_tokens=True)
+    tok, ids = load_tokenizer(model_dir), first[1].response_ids
+    # a string of whole characters: a byte-level piece ending mid-character ("\ufffd") is held
+    # back by vLLM's incremental detokenizer until the next token, by design (dense too)
+    text = next(t for i in range(30, 38)
+                if (t := tok.decode(ids[i:i + 2], skip_special_tokens=True)).strip()
+                and "\ufffd" not in t)
     params = SamplingParams(max_new_tokens=40, temperature=0.0, stop=(text, "\x7f\x7f"))
     v = eng.generate(PROMPTS, params)
     n = NativeEngine(hf, cfg, batch_size=8, trace=True).generate(PROMPTS, params)
