@@ -128,14 +128,17 @@ class VLLMEngine:
     def _pool_bytes(self, max_model_len: int, block_size: int | None) -> int:
         """Default KV pool: every one of ``batch_size`` sequences at its longest (``max_model_len``
         tokens dense, the window + 2 blocks sliding, the largest budget + ``compress_every`` + a
-        block evicting), plus a block each; within [16 MiB, 1 GiB]."""
+        block evicting), plus a block each, and at least one ``max_model_len`` sequence; within
+        [16 MiB, 1 GiB]."""
         block = block_size or 128
         tokens = max_model_len
         if self.window is not None:
             tokens = min(max_model_len, self.window + 2 * block)
         elif self.evicting:
             tokens = min(max_model_len, max(self.kv.bin_budgets()) + self.kv.compress_every + block)
-        need = self.batch_size * (tokens + block) * self.kv_bytes_per_token()
+        # vLLM refuses to start unless one max_model_len sequence fits: a prefill is dense
+        need = max(self.batch_size * (tokens + block), max_model_len + block) * \
+            self.kv_bytes_per_token()
         return int(min(max(need, 16 << 20), 1 << 30))
 
     def _start(self, kv_cache_bytes, max_model_len, seed, enforce_eager, block_size):
