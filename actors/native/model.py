@@ -68,7 +68,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
     q [B,Hq,T,D]; k, v [B,Hkv,S,D]; mask broadcastable to [B,Hkv,1,T,S] (True = may attend).
     Returns (out [B,Hq,T,D], probs [B,Hkv,g,T,S] float32 or None). Scores and softmax are float32
-    in every dtype (bf16 q and k are upcast for the score GEMM; the probabilities meet v in v's dtype).
+    in every dtype (bf16 q and k are upcast for the score GEMM; the probabilities meet v in its
+    dtype).
     """
     b, hq, t, d = q.shape
     hkv = k.shape[1]
