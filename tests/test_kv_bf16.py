@@ -4,7 +4,8 @@ The engine takes its dtype from the model it is given. Greedy dense tokens equal
 forward's argmax; sampled log-probs (float32, from bf16 logits) are within bf16 noise of a float32
 teacher-forced recomputation; every KV policy runs in bf16 and its log-probs are those of its kept
 sets (``recompute_logprobs`` on the same bf16 model), farther from the dense recomputation than
-bf16 noise. Attention scores and softmax are float32 in every path (as vLLM's kernels).
+bf16 noise. On the CPU attention scores and softmax are float32 in every path (as vLLM's kernels);
+the CUDA bf16 path is tests/test_gpu.py's.
 
 Tolerances: ``BF16_TOL`` (5e-2, the GPU tests' bf16 bound, tests/test_gpu.py) on the largest
 absolute log-prob difference. Decode and teacher forcing run different attention kernels whose
