@@ -249,10 +249,11 @@ def peer_jobs(args, model, path: Path, ps, gen_len: int, first: int) -> tuple[li
         jobs.append(lambda c=cache: run_hf(model, ps, gen_len, c))
     if not args.vllm:
         return jobs, {}
-    vjob = lambda p, f=None: lambda: rv.run_vllm(path, ps, gen_len, p, f,  # noqa: E731
-                                                  args.every, args.dtype)
-    jobs.append(vjob("dense"))
-    jobs += [vjob(p, f) for f in args.budgets for p in args.policies]
+    def vllm_job(policy: str, frac: float | None = None):
+        return lambda: rv.run_vllm(path, ps, gen_len, policy, frac, args.every, args.dtype)
+
+    jobs.append(vllm_job("dense"))
+    jobs += [vllm_job(p, f) for f in args.budgets for p in args.policies]
     pooled: dict[int, int] = {}
     if args.equal_pool and gen_len >= args.pool_min_len and BAR_FRAC in args.budgets:
         b = args.pool_batch or len(ps)
