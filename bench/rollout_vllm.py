@@ -150,14 +150,14 @@ def pool_lines(rows: list[dict]) -> list[str]:
     return out
 
 
-def bars(rows: list[dict], frac: float, min_len: int) -> list[tuple[str, bool | None]]:
-    """Issue 17's targets as (line, passed), None where a row is missing: on ``BAR_MODEL`` at each
-    length >= ``min_len`` of this run, vLLM snapkv and rkv at budget ``frac`` >= ``BAR_SPEED`` x
+def bars(rows: list[dict], frac: float, length: int) -> list[tuple[str, bool | None]]:
+    """Issue 17's targets as (line, passed), None where a row is missing: when this run has
+    ``BAR_MODEL`` at ``length`` tokens, vLLM snapkv and rkv at budget ``frac`` >= ``BAR_SPEED`` x
     vLLM dense's tok/s at the same batch; at equal pool bytes >= ``BAR_CONCURRENT`` x its requests
     running at once (``mean_running``: see ``StepLog``) and >= ``BAR_SPEED`` x its tok/s."""
     out: list[tuple[str, bool | None]] = []
     lengths = sorted({r["gen_len"] for r in rows if r["model"] == BAR_MODEL
-                      and r["gen_len"] >= min_len})
+                      and r["gen_len"] == length})
     for gen_len in lengths:
         def find(policy, pool):
             return next((r for r in rows if r["model"] == BAR_MODEL and r["gen_len"] == gen_len
