@@ -2,11 +2,17 @@
 
     python bench/rollout.py --quick                 # tiny model, 256 and 1024 tokens, 25% budget
     python bench/rollout.py --json runs/bench_rollout.json
-    python bench/rollout.py --models tiny,mid --lengths 512,2048,8192 --batch 16
+    python bench/rollout.py --models tiny,mid --lengths 512,2048,8192 --batch 16 --dtype bfloat16
 
 Rows: the native engine dense and with every policy at budgets {12.5%, 25%, 50%} of the generation
 length (``compress_every`` = 128, the paper's N), and the peers in the same run: HF ``generate``
-with a static cache (and with its default dynamic cache), and vLLM dense and sliding-window (its ``streaming``) where vLLM is installed.
+with a static cache (and with its default dynamic cache), and where vLLM is installed vLLM dense
+and every policy of ``--policies`` at every budget (``bench/rollout_vllm.py``: 32-token blocks,
+``compress_every`` = N, no attention sinks for ``streaming``, which vLLM runs as its sliding
+window). A policy the installed vLLM engine refuses (today h2o, snapkv and rkv: ``ConfigError``)
+is skipped with a ``# row N skipped`` line. ``--dtype`` (float32 or bfloat16, in every JSON row's
+``dtype``) is the dtype every engine runs the model in (native and HF load it so, vLLM gets
+``dtype=``).
 Every row generates exactly ``gen_len`` tokens per sequence (no stop tokens) from ``batch`` random
 prompts of ``prompt_len`` tokens, temperature 1. ``tok_per_s`` = generated tokens / wall time of
 the call (prefill included), best of ``--repeat`` round-robin rounds. ``attn_vs_dense``: KV slots
@@ -16,10 +22,10 @@ its inverse is the speed-up sparse would get if attention were all of a decode s
 ``batch * cap * bytes/token`` with cap = budget + N for sparse policies); HF static = its static
 cache (``batch * (prompt_len + gen_len)`` tokens); HF dynamic = the final cache size; vLLM = its
 measured KV blocks. Ratios ``speed_vs_dense`` and ``kv_vs_dense`` are against dense-native of the
-same model and length, in the same run. At 2048+ tokens the 25%-budget
-policies are also run with ``compress_every`` = ``--extra-every`` (64) where N = 128 cannot meet the
-KV bar: the stored tokens are (budget + N) / (prompt + gen_len) = 0.31 of dense at 2048 by
-construction (0.265 at 8192).
+same model and length, in the same run (every row, the equal-pool ones too). At 2048+ tokens the
+25%-budget policies are also run with ``compress_every`` = ``--extra-every`` (64) where N = 128
+cannot meet the KV bar: the stored tokens are (budget + N) / (prompt + gen_len) = 0.31 of dense at
+2048 by construction (0.265 at 8192).
 
 Equal KV memory (``--equal-memory``, on by default; ``--quick`` has no length that qualifies): at
 2048+ tokens each sparse policy at the 25% budget (N = ``--every``) is also run at the largest batch
@@ -29,9 +35,27 @@ own ``batch``) are printed in a separate section, "same KV memory as dense-nativ
 ``speed_vs_dense`` / ``kv_vs_dense`` against dense-native at batch B. This is the paper's "memory
 wall" comparison: more sequences in the same KV memory. It is reported as INFO, never as the bar.
 
+Equal KV pool for vLLM (``--equal-pool``, on by default, at gen_len >= ``--pool-min-len`` (2048)
+where vLLM rows run; ``--quick``: at 256 tokens with a pool of 2 sequences and 8 requests): P =
+the KV pool vLLM dense needs for ``--pool-batch`` (default B) sequences at full length,
+``B * (prompt_len + gen_len + block)`` tokens rounded up to blocks, times the model's KV bytes per
+token (checked against ``VLLMEngine.kv_bytes_per_token``). vLLM dense and each policy at the 25%
+budget get ``kv_cache_bytes = P`` and ``--pool-requests`` (default 4 * B) prompts at once
+(``max_num_seqs`` = that many); the scheduler decides how many run. These rows (``equal_pool:
+true``, ``batch`` = the requests, ``pool_bytes`` = P) are printed in their own section with
+``concurrent_requests`` (``VLLMEngine.last_stats``: the most requests running after one scheduling
+step), ``mean_running`` (the mean over scheduling steps) and ``preemptions`` (requests vLLM froze
+and recomputed when the pool ran out), and ratios vs vLLM dense at the same pool. The most after
+one step is not what the pool holds: vLLM admits every request whose prompt fits, then preempts
+as they grow, so dense reaches ``--pool-requests`` too; the bar reads ``mean_running``. Other rows
+have ``equal_pool: false`` and null in these columns (native and HF rows always).
+
 After the table, "bars" prints PASS/FAIL for issue 3's targets: at 2048+ tokens and a 25% budget
 every sparse policy runs >= 2x dense-native's tokens/s (same batch) with <= 30% of its KV bytes, and
-dense-native runs at least as fast as HF ``generate`` with a static cache; then one INFO line per
+dense-native runs at least as fast as HF ``generate`` with a static cache; then issue 17's, on the
+``mid`` model at 2048 tokens and a 25% budget: vLLM snapkv and rkv >= 1.5x vLLM dense's tokens/s
+at the same batch, and at equal pool bytes >= 3x its requests running at once (mean) and >= 1.5x
+its tokens/s; a row the run lacks prints MISSING (never PASS). Then one INFO line per
 equal-memory row ("sparse at equal KV memory: X.XXx dense tokens/s"), which no bar judges.
 
 Models: ``tiny`` = ``.cache/models/tiny-base`` when present, else a random-weight Qwen2 of the same
@@ -41,7 +65,6 @@ with ~75M parameters (hidden 768, 12 layers). Timings on a shared CPU are noisy;
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import tempfile
@@ -57,12 +80,15 @@ if str(ROOT) not in sys.path:
 from actors.config import KVConfig  # noqa: E402
 from actors.engine import SamplingParams  # noqa: E402
 from actors.native import NativeEngine  # noqa: E402
+from bench import rollout_vllm as rv  # noqa: E402
+from common.dtypes import Dtype, torch_dtype  # noqa: E402
 from common.modeling import load_model  # noqa: E402
 
 POLICIES = ("streaming", "h2o", "snapkv", "rkv")
 FIELDS = ("model", "engine", "policy", "budget_frac", "budget", "compress_every", "gen_len", "batch",
           "tok_per_s", "peak_kv_bytes", "speed_vs_dense", "kv_vs_dense", "attn_slots",
-          "attn_vs_dense", "seconds", "params", "memory_matched")
+          "attn_vs_dense", "seconds", "params", "memory_matched", "dtype", "equal_pool",
+          "concurrent_requests", "mean_running", "preemptions", "pool_bytes")
 BAR_SPEED, BAR_KV, BAR_MIN_LEN, BAR_FRAC = 2.0, 0.30, 2048, 0.25
 
 
@@ -163,32 +189,6 @@ def run_hf(model, ps, gen_len: int, cache: str) -> dict:
             "compress_every": 0, "tok_per_s": toks / dt, "peak_kv_bytes": kv, "seconds": dt}
 
 
-def run_vllm(path: Path, ps, gen_len: int, policy: str = "dense",
-             frac: float | None = None) -> dict | None:
-    """vLLM peer (actors/vllm): dense, or ``streaming`` = vLLM's sliding window of ``budget``
-    tokens (no attention sinks; docs/VLLM.md). KV blocks of 32 tokens (CPU default 128) so the
-    window's block granularity does not dominate at these lengths."""
-    if importlib.util.find_spec("vllm") is None:
-        return None
-    import os
-
-    # tiny-base declares 1024 positions; like the native engine and HF, let vLLM extrapolate RoPE
-    os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
-    from actors.vllm import VLLMEngine
-
-    budget = 0 if policy == "dense" else max(16, int(frac * gen_len))
-    kv = KVConfig(policy=policy, budget=max(budget, 16), sink_tokens=0)
-    eng = VLLMEngine(path, kv, batch_size=len(ps), max_model_len=len(ps[0]) + gen_len + 16,
-                     block_size=32)
-    eng.generate(ps[:2], SamplingParams(max_new_tokens=4, seed=0))   # warm-up (kernel compile)
-    t0 = time.perf_counter()
-    outs = eng.generate(ps, SamplingParams(max_new_tokens=gen_len, seed=0))
-    dt = time.perf_counter() - t0
-    return {"engine": "vllm", "policy": policy, "budget_frac": frac or 1.0, "budget": budget,
-            "compress_every": 0, "tok_per_s": sum(len(o.response_ids) for o in outs) / dt,
-            "peak_kv_bytes": eng.last_stats.get("peak_kv_bytes", 0), "seconds": dt}
-
-
 def best_of(jobs, repeat: int) -> list[dict | None]:
     """Run the jobs round-robin ``repeat`` times; keep each job's fastest run (the machine is
     shared: bursts of load from other processes hit single runs, not every round)."""
@@ -207,83 +207,128 @@ def best_of(jobs, repeat: int) -> list[dict | None]:
     return best
 
 
+def native_jobs(args, model, ps, gen_len: int) -> tuple[list, dict[int, int]]:
+    """Dense-native first, every policy at every budget, the extra N, the equal-memory rows;
+    returns (jobs, {job index: batch} of the equal-memory rows)."""
+    vocab = model.config.vocab_size
+    jobs = [lambda: run_native(model, ps, gen_len, "dense", None, args.every)]
+    for frac in args.budgets:
+        for policy in args.policies:
+            jobs.append(lambda f=frac, p=policy: run_native(model, ps, gen_len, p, f, args.every))
+    # the extra N only where N = --every cannot meet the KV bar by construction
+    kv_at_n = (int(BAR_FRAC * gen_len) + args.every) / (args.prompt_len + gen_len)
+    if gen_len >= BAR_MIN_LEN and args.extra_every and BAR_FRAC in args.budgets \
+            and kv_at_n > BAR_KV:
+        for policy in args.policies:
+            jobs.append(lambda p=policy: run_native(model, ps, gen_len, p, BAR_FRAC,
+                                                    args.extra_every))
+    # equal KV memory: each policy at the largest batch that fits in dense's KV bytes
+    matched: dict[int, int] = {}
+    if args.equal_memory and gen_len >= BAR_MIN_LEN and BAR_FRAC in args.budgets:
+        dense_kv = native_kv_bytes(model, gen_len, args.prompt_len, "dense", None, args.every,
+                                   len(ps))
+        for policy in args.policies:
+            mb = memory_matched_batch(model, gen_len, args.prompt_len, policy, BAR_FRAC,
+                                      args.every, dense_kv)
+            if mb < 1:
+                continue
+            mps = prompts(mb, args.prompt_len, vocab)
+            matched[len(jobs)] = mb
+            jobs.append(lambda p=policy, q=mps: run_native(model, q, gen_len, p, BAR_FRAC,
+                                                            args.every))
+    return jobs, matched
+
+
+def peer_jobs(args, model, path: Path, ps, gen_len: int, first: int) -> tuple[list, dict]:
+    """HF and vLLM rows (vLLM: dense and every policy at every budget, then the equal-pool rows;
+    job indices from ``first``); returns (jobs, {job index: requests} of the equal-pool rows)."""
+    jobs: list = []
+    if gen_len > args.peer_max_len:
+        return jobs, {}
+    for cache in args.hf:
+        jobs.append(lambda c=cache: run_hf(model, ps, gen_len, c))
+    if not args.vllm:
+        return jobs, {}
+    def vllm_job(policy: str, frac: float | None = None):
+        return lambda: rv.run_vllm(path, ps, gen_len, policy, frac, args.every, args.dtype)
+
+    jobs.append(vllm_job("dense"))
+    jobs += [vllm_job(p, f) for f in args.budgets for p in args.policies]
+    pooled: dict[int, int] = {}
+    if args.equal_pool and gen_len >= args.pool_min_len and BAR_FRAC in args.budgets:
+        b = args.pool_batch or len(ps)
+        m = args.pool_requests or 4 * b
+        pool = rv.pool_bytes(b, args.prompt_len, gen_len, kv_bytes_per_token(model))
+        mps = prompts(m, args.prompt_len, model.config.vocab_size)
+        for policy, frac in [("dense", None)] + [(p, BAR_FRAC) for p in args.policies]:
+            pooled[first + len(jobs)] = m
+            jobs.append(lambda p=policy, f=frac: rv.run_pool(
+                path, mps, gen_len, p, f, args.every, args.dtype, pool, kv_bytes_per_token(model)))
+    return jobs, pooled
+
+
 def bench(args) -> list[dict]:
     torch.set_num_threads(args.threads)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, path in model_dirs(args.models, Path(tmp)).items():
-            model = load_model(path)
-            vocab = model.config.vocab_size
+            model = load_model(path, dtype=torch_dtype(args.dtype))
             params = sum(p.numel() for p in model.parameters())
             print(f"# {name}: {model.config.model_type} hidden {model.config.hidden_size} x "
-                  f"{model.config.num_hidden_layers} layers, {params / 1e6:.1f}M parameters",
-                  flush=True)
-            run_native(model, prompts(2, 8, vocab), 8, "dense", None, 128)          # warm-up
+                  f"{model.config.num_hidden_layers} layers, {params / 1e6:.1f}M parameters, "
+                  f"{args.dtype}", flush=True)
+            run_native(model, prompts(2, 8, model.config.vocab_size), 8, "dense", None, 128)
             for gen_len in args.lengths:
                 batch = args.batch if gen_len <= 2048 else (args.long_batch
                                                             or max(1, args.batch // 4))
-                ps = prompts(batch, args.prompt_len, vocab)
-                base = {"model": name, "gen_len": gen_len, "batch": batch, "params": params}
-                jobs = [lambda: run_native(model, ps, gen_len, "dense", None, args.every)]
-                for frac in args.budgets:
-                    for policy in args.policies:
-                        jobs.append(lambda f=frac, p=policy: run_native(model, ps, gen_len, p, f,
-                                                                         args.every))
-                # the extra N only where N = --every cannot meet the KV bar by construction
-                kv_at_n = (int(BAR_FRAC * gen_len) + args.every) / (args.prompt_len + gen_len)
-                if gen_len >= BAR_MIN_LEN and args.extra_every and BAR_FRAC in args.budgets \
-                        and kv_at_n > BAR_KV:
-                    for policy in args.policies:
-                        jobs.append(lambda p=policy: run_native(model, ps, gen_len, p, BAR_FRAC,
-                                                                args.extra_every))
-                # equal KV memory: each policy at the largest batch that fits in dense's KV bytes
-                matched: dict[int, int] = {}
-                if args.equal_memory and gen_len >= BAR_MIN_LEN and BAR_FRAC in args.budgets:
-                    dense_kv = native_kv_bytes(model, gen_len, args.prompt_len, "dense", None,
-                                               args.every, batch)
-                    for policy in args.policies:
-                        mb = memory_matched_batch(model, gen_len, args.prompt_len, policy,
-                                                  BAR_FRAC, args.every, dense_kv)
-                        if mb < 1:
-                            continue
-                        mps = prompts(mb, args.prompt_len, vocab)
-                        matched[len(jobs)] = mb
-                        jobs.append(lambda p=policy, q=mps: run_native(model, q, gen_len, p,
-                                                                        BAR_FRAC, args.every))
-                if gen_len <= args.peer_max_len:
-                    for cache in args.hf:
-                        jobs.append(lambda c=cache: run_hf(model, ps, gen_len, c))
-                    if args.vllm:
-                        jobs.append(lambda: run_vllm(path, ps, gen_len))
-                        for frac in args.budgets if "streaming" in args.policies else ():
-                            jobs.append(lambda f=frac: run_vllm(path, ps, gen_len, "streaming", f))
-                found = best_of(jobs, args.repeat)
-                dense = found[0]
-                for j, r in enumerate(found):
-                    if r is None:
-                        continue
-                    r.setdefault("attn_slots", None)
-                    r.update(base, memory_matched=j in matched,
-                             speed_vs_dense=r["tok_per_s"] / dense["tok_per_s"],
-                             kv_vs_dense=r["peak_kv_bytes"] / dense["peak_kv_bytes"],
-                             attn_vs_dense=None if r["attn_slots"] is None
-                             else r["attn_slots"] / dense["attn_slots"])
-                    if j in matched:
-                        r["batch"] = matched[j]
-                        if r["peak_kv_bytes"] > dense["peak_kv_bytes"]:   # the accounting is wrong
-                            raise RuntimeError(f"equal-memory {r['policy']} at batch {matched[j]}: "
-                                               f"{r['peak_kv_bytes']} KV bytes > dense's "
-                                               f"{dense['peak_kv_bytes']}")
-                    rows.append(r)
-                    if j not in matched:
-                        print(fmt_row(r), flush=True)
-                same = [r for j, r in enumerate(found) if j in matched and r is not None]
-                if same:
-                    print(f"# same KV memory as dense-native at batch {batch} "
-                          f"({dense['peak_kv_bytes'] / 2**20:.2f} MiB): each policy at the largest "
-                          f"batch that fits; ratios vs dense-native at batch {batch}", flush=True)
-                    for r in same:
-                        print(fmt_row(r), flush=True)
+                ps = prompts(batch, args.prompt_len, model.config.vocab_size)
+                jobs, matched = native_jobs(args, model, ps, gen_len)
+                peers, pooled = peer_jobs(args, model, path, ps, gen_len, len(jobs))
+                found = best_of(jobs + peers, args.repeat)
+                base = {"model": name, "gen_len": gen_len, "batch": batch, "params": params,
+                        "dtype": args.dtype}
+                rows += collect(found, base, matched, pooled)
+    return rows
+
+
+def collect(found: list[dict | None], base: dict, matched: dict[int, int],
+            pooled: dict[int, int]) -> list[dict]:
+    """Complete one length's rows (ratios vs dense-native, the bench's columns) and print them:
+    the main table, then the equal-memory and equal-pool sections."""
+    dense, rows = found[0], []
+    for j, r in enumerate(found):
+        if r is None:
+            continue
+        r.setdefault("attn_slots", None)
+        for key in ("concurrent_requests", "mean_running", "preemptions", "pool_bytes"):
+            r.setdefault(key, None)
+        r.update(base, memory_matched=j in matched, equal_pool=j in pooled,
+                 speed_vs_dense=r["tok_per_s"] / dense["tok_per_s"],
+                 kv_vs_dense=r["peak_kv_bytes"] / dense["peak_kv_bytes"],
+                 attn_vs_dense=None if r["attn_slots"] is None
+                 else r["attn_slots"] / dense["attn_slots"])
+        r["batch"] = matched.get(j, pooled.get(j, r["batch"]))
+        if j in matched and r["peak_kv_bytes"] > dense["peak_kv_bytes"]:   # wrong accounting
+            raise RuntimeError(f"equal-memory {r['policy']} at batch {matched[j]}: "
+                               f"{r['peak_kv_bytes']} KV bytes > dense's {dense['peak_kv_bytes']}")
+        rows.append(r)
+        if j not in matched and j not in pooled:
+            print(fmt_row(r), flush=True)
+    same = [r for r in rows if r["memory_matched"]]
+    if same:
+        print(f"# same KV memory as dense-native at batch {base['batch']} "
+              f"({dense['peak_kv_bytes'] / 2**20:.2f} MiB): each policy at the largest batch that "
+              f"fits; ratios vs dense-native at batch {base['batch']}", flush=True)
+        for r in same:
+            print(fmt_row(r), flush=True)
+    lines = rv.pool_lines(rows)
+    if lines:
+        print(f"# vLLM at equal KV pool bytes (what dense needs for the pool batch at "
+              f"{base['gen_len']} tokens): requests submitted at once; running = requests running "
+              f"after a scheduling step (mean, max); ratios vs vLLM dense at the same pool",
+              flush=True)
+        for line in lines:
+            print(line, flush=True)
     return rows
 
 
@@ -303,9 +348,10 @@ def fmt_row(r: dict) -> str:
                     for i, (c, (_, w, _)) in enumerate(zip(cells, COLUMNS)))
 
 
-def bars(rows: list[dict]) -> list[tuple[str, bool]]:
-    """Issue 3's targets as (line, passed), within one model and length of this run."""
-    out = []
+def bars(rows: list[dict]) -> list[tuple[str, bool | None]]:
+    """Issue 3's targets as (line, passed), within one model and length of this run, then issue
+    17's vLLM targets (``rollout_vllm.bars``; passed is None where a row is missing)."""
+    out: list[tuple[str, bool | None]] = []
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["model"], r["gen_len"]), []).append(r)
@@ -326,7 +372,7 @@ def bars(rows: list[dict]) -> list[tuple[str, bool]]:
             if r["engine"] == "hf-static" and not r.get("memory_matched"):
                 out.append((f"{model} {gen_len} dense-native {dense['tok_per_s']:.0f} tok/s >= "
                             f"hf-static {r['tok_per_s']:.0f}", dense["tok_per_s"] >= r["tok_per_s"]))
-    return out
+    return out + rv.bars(rows, BAR_FRAC, BAR_MIN_LEN)
 
 
 def equal_memory_info(rows: list[dict]) -> list[str]:
@@ -345,11 +391,14 @@ def equal_memory_info(rows: list[dict]) -> list[str]:
 
 def print_bars(rows: list[dict]) -> None:
     found = bars(rows)
-    print(f"\nbars ({sum(ok for _, ok in found)}/{len(found)} pass)")
+    print(f"\nbars ({sum(ok is True for _, ok in found)}/{len(found)} pass)")
     if not any(r["gen_len"] >= BAR_MIN_LEN for r in rows):
         print(f"  (speed and KV bars need gen_len >= {BAR_MIN_LEN} with budget {BAR_FRAC})")
+    if not any(r["model"] == rv.BAR_MODEL and r["gen_len"] == BAR_MIN_LEN for r in rows):
+        print(f"  (issue 17's vLLM bars need the {rv.BAR_MODEL} model at gen_len {BAR_MIN_LEN} "
+              f"with budget {BAR_FRAC})")
     for line, ok in found:
-        print(f"  {'PASS' if ok else 'FAIL'}  {line}")
+        print(f"  {'MISSING' if ok is None else 'PASS' if ok else 'FAIL'}  {line}")
     for line in equal_memory_info(rows):
         print(f"  INFO  {line}")
 
@@ -375,12 +424,25 @@ def parse(argv=None):
     ap.add_argument("--equal-memory", action=argparse.BooleanOptionalAction, default=True,
                     help="at 2048+ tokens also run each 25%%-budget policy at the largest batch that "
                          "fits in dense's KV bytes (INFO rows, not a bar)")
+    ap.add_argument("--dtype", choices=[d.value for d in Dtype], default="float32",
+                    help="the models' dtype for every engine (native, HF, vLLM)")
+    ap.add_argument("--equal-pool", action=argparse.BooleanOptionalAction, default=True,
+                    help="vLLM at equal KV pool bytes: dense and each 25%%-budget policy given "
+                         "--pool-requests prompts at once in the pool dense needs for --pool-batch "
+                         "sequences (at --pool-min-len+ tokens)")
+    ap.add_argument("--pool-batch", type=int, default=0,
+                    help="sequences the pool holds at full length, dense (default: the batch)")
+    ap.add_argument("--pool-requests", type=int, default=0,
+                    help="prompts submitted at once to the pool (default: 4 x --pool-batch)")
+    ap.add_argument("--pool-min-len", type=int, default=BAR_MIN_LEN,
+                    help="shortest gen_len with equal-pool rows")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=2, help="rounds; each row keeps its best")
     args = ap.parse_args(argv)
     if args.quick:
         args.models, args.lengths, args.budgets = "tiny", "256,1024", "0.25"
         args.batch, args.peer_max_len, args.repeat = 8, 256, 2
+        args.pool_min_len, args.pool_batch, args.pool_requests = 256, 2, 8
     args.models = [m for m in args.models.split(",") if m]
     args.lengths = [int(x) for x in args.lengths.split(",") if x]
     args.budgets = [float(x) for x in args.budgets.split(",") if x]

@@ -28,6 +28,9 @@ sequence had stored (all layers, K and V); ``last_stats`` has the batch's ``allo
 ``attended_slots`` (KV slots a decode step reads per row, on average: what attention costs).
 Transient extras not counted there: one layer's full prompt KV while a long prompt is compressed at
 prefill, and both the old and new row sets for the moment of a refill's concatenation.
+Dtype: the model's (``rollout.dtype``); the cache is stored in it. In bf16 the logits are cast to
+float32 before sampling, so log-probs are float32 everywhere, and attention keeps its softmax in
+float32 (on the CPU its scores too: ``model.cpu_low_precision``).
 Sampling: one ``torch.Generator`` seeded from ``SamplingParams.seed`` per call, so the same prompts,
 seed and ``batch_size`` give the same samples. ``replay`` runs the same loop teacher-forced over
 given responses and returns each step's full next-token log-probs (probes, ``actors/probes.py``).

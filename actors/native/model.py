@@ -62,12 +62,22 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rot * sin
 
 
+def cpu_low_precision(t: torch.Tensor) -> bool:
+    """bf16 (or another dtype below float32) on the CPU: attention then computes its scores and
+    softmax in float32 (see ``attend``, ``decode_attend``). On CUDA the bf16 GEMMs read the strided
+    cache in place and SDPA with a mask and GQA falls back to its math kernel, so the CUDA path
+    (float32 softmax of bf16 scores) is left as it is."""
+    return t.dtype != torch.float32 and t.device.type == "cpu"
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float,
            want_probs: bool = False):
     """Grouped-query attention with an explicit boolean mask.
 
     q [B,Hq,T,D]; k, v [B,Hkv,S,D]; mask broadcastable to [B,Hkv,1,T,S] (True = may attend).
-    Returns (out [B,Hq,T,D], probs [B,Hkv,g,T,S] float32 or None). Softmax runs in float32.
+    Returns (out [B,Hq,T,D], probs [B,Hkv,g,T,S] float32 or None). Softmax runs in float32; on the
+    CPU the scores too in every dtype (bf16 q and k are upcast for the score GEMM; the
+    probabilities meet v in its dtype).
     """
     b, hq, t, d = q.shape
     hkv = k.shape[1]
@@ -75,6 +85,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     # Fold the query heads of a group into the query axis: one batched GEMM per KV head that reads
     # the cache in place (a broadcast matmul against k.unsqueeze(2) would copy the cache every step).
     qg = q.reshape(b, hkv, g * t, d)
+    if cpu_low_precision(q):
+        # bf16: scores and softmax in float32, as vLLM's kernels keep them (a logit rounded to
+        # bf16's 8-bit mantissa before the softmax would move every probability with it)
+        qg, k = qg.float(), k.float()
     scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, hkv, g, t, -1).float() * scaling
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
@@ -90,13 +104,28 @@ def decode_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: int, bia
     [B*Hkv,1,s] additive mask (0 or -inf) built once per step for every layer. Returns (out [B,Hq*D],
     probs [B,Hkv,g,s] float32 or None). Scale and mask go into one ``baddbmm`` and the batch is
     flattened to (row, KV head) so each step runs three kernels per layer instead of a dozen.
+    bf16 (or any dtype below float32) on the CPU: ``scaled_dot_product_attention`` when no
+    probabilities are wanted, else the same GEMMs over float32 copies of q and the cache slice;
+    scores and softmax are float32 either way.
     """
     b, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
+    if cpu_low_precision(q) and not want_probs:
+        # bf16: the fused kernel reads the strided cache slice in place and keeps scores and
+        # softmax in float32; bf16 ``baddbmm``/``bmm`` on CPU copy every row's slice into a
+        # contiguous buffer first (the largest cost of a bf16 decode step after the linears) and
+        # round the scores to bf16
+        out = F.scaled_dot_product_attention(
+            q[:, :, None], k[:, :, :s], v[:, :, :s], attn_mask=bias.view(b, hkv, 1, s)[:, :1],
+            scale=scaling, enable_gqa=True)
+        return out.reshape(b, hq * d), None
     kk = k[:, :, :s].reshape(b * hkv, s, d)            # views: rows are [Hkv*cap*D] apart
     vv = v[:, :, :s].reshape(b * hkv, s, d)
-    scores = torch.baddbmm(bias, q.reshape(b * hkv, g, d), kk.transpose(1, 2), alpha=scaling)
+    qq = q.reshape(b * hkv, g, d)
+    if cpu_low_precision(q):                           # H2O in bf16: float32 scores (see above)
+        qq, kk, bias = qq.float(), kk.float(), bias.float()
+    scores = torch.baddbmm(bias, qq, kk.transpose(1, 2), alpha=scaling)
     probs = torch.softmax(scores.float(), dim=-1)
     out = torch.bmm(probs.to(v.dtype), vv).view(b, hq * d)
     return out, (probs.view(b, hkv, g, s) if want_probs else None)
