@@ -43,11 +43,12 @@ token (checked against ``VLLMEngine.kv_bytes_per_token``). vLLM dense and each p
 budget get ``kv_cache_bytes = P`` and ``--pool-requests`` (default 4 * B) prompts at once
 (``max_num_seqs`` = that many); the scheduler decides how many run. These rows (``equal_pool:
 true``, ``batch`` = the requests, ``pool_bytes`` = P) are printed in their own section with
-``concurrent_requests`` (``VLLMEngine.last_stats``: the most requests running after one scheduling
-step), ``mean_running`` (the mean over scheduling steps) and ``preemptions`` (requests vLLM froze
-and recomputed when the pool ran out), and ratios vs vLLM dense at the same pool. The most after
-one step is not what the pool holds: vLLM admits every request whose prompt fits, then preempts
-as they grow, so dense reaches ``--pool-requests`` too; the bar reads ``mean_running``. Other rows
+``concurrent_requests`` (``VLLMEngine.last_stats``: the mean number of requests running per
+scheduling step), ``max_concurrent_requests`` (the most after one step) and ``preemptions``
+(requests vLLM froze and recomputed when the pool ran out), and ratios vs vLLM dense at the same
+pool. The most after one step is not what the pool holds: vLLM admits every request whose prompt
+fits, then preempts as they grow, so dense reaches ``--pool-requests`` too; the bar reads the
+mean. Other rows
 have ``equal_pool: false`` and null in these columns (native and HF rows always).
 
 After the table, "bars" prints PASS/FAIL for issue 3's targets: at 2048+ tokens and a 25% budget
@@ -88,7 +89,7 @@ POLICIES = ("streaming", "h2o", "snapkv", "rkv")
 FIELDS = ("model", "engine", "policy", "budget_frac", "budget", "compress_every", "gen_len", "batch",
           "tok_per_s", "peak_kv_bytes", "speed_vs_dense", "kv_vs_dense", "attn_slots",
           "attn_vs_dense", "seconds", "params", "memory_matched", "dtype", "equal_pool",
-          "concurrent_requests", "mean_running", "preemptions", "pool_bytes")
+          "concurrent_requests", "max_concurrent_requests", "preemptions", "pool_bytes")
 BAR_SPEED, BAR_KV, BAR_MIN_LEN, BAR_FRAC = 2.0, 0.30, 2048, 0.25
 
 
@@ -300,7 +301,7 @@ def collect(found: list[dict | None], base: dict, matched: dict[int, int],
         if r is None:
             continue
         r.setdefault("attn_slots", None)
-        for key in ("concurrent_requests", "mean_running", "preemptions", "pool_bytes"):
+        for key in ("concurrent_requests", "max_concurrent_requests", "preemptions", "pool_bytes"):
             r.setdefault(key, None)
         r.update(base, memory_matched=j in matched, equal_pool=j in pooled,
                  speed_vs_dense=r["tok_per_s"] / dense["tok_per_s"],

@@ -54,41 +54,9 @@ def _engine(path: Path, policy: str, frac: float | None, gen_len: int, every: in
     return eng, budget
 
 
-class StepLog:
-    """Requests running after each scheduling step and how often each was preempted, read through
-    the engine's KV meter (``VLLMEngine.meter.sample`` receives the scheduler's running requests
-    after every step). ``concurrent_requests`` (the engine's, the most running after one step)
-    counts every request vLLM admits while only their prompts hold blocks, including those it
-    preempts (frees, to recompute later) once the pool runs out; the mean over steps is what the
-    pool sustains."""
-
-    def __init__(self, eng):
-        self.counts: list[int] = []
-        self.preempted: dict[str, int] = {}
-        inner = eng.meter.sample
-
-        def sample(requests):
-            inner(requests)
-            self.counts.append(len(requests))
-            for r in requests:
-                n = int(getattr(r, "num_preemptions", 0))
-                self.preempted[r.request_id] = max(n, self.preempted.get(r.request_id, 0))
-
-        eng.meter.sample = sample
-
-    def reset(self) -> None:
-        self.counts, self.preempted = [], {}
-
-    def stats(self) -> dict:
-        return {"mean_running": sum(self.counts) / max(1, len(self.counts)),
-                "preemptions": sum(self.preempted.values())}
-
-
 def _timed(eng, ps, gen_len: int, policy: str, frac: float | None, budget: int,
            every: int) -> dict:
-    log = StepLog(eng)
     eng.generate(ps[:2], SamplingParams(max_new_tokens=4, seed=0))   # warm-up (kernel compile)
-    log.reset()
     t0 = time.perf_counter()
     outs = eng.generate(ps, SamplingParams(max_new_tokens=gen_len, seed=0))
     dt = time.perf_counter() - t0
@@ -96,8 +64,12 @@ def _timed(eng, ps, gen_len: int, policy: str, frac: float | None, budget: int,
             "compress_every": every if policy not in ("dense", "streaming") else 0,
             "tok_per_s": sum(len(o.response_ids) for o in outs) / dt,
             "peak_kv_bytes": eng.last_stats.get("peak_kv_bytes", 0),
-            "concurrent_requests": eng.last_stats.get("concurrent_requests"), "seconds": dt,
-            **log.stats()}
+            # the engine's KV meter: mean requests running per scheduling step (what the pool
+            # sustains: vLLM admits every request whose prompt fits, then preempts), the most
+            # after one step, and how many preemptions (freed to recompute later)
+            "concurrent_requests": eng.last_stats["concurrent_requests"],
+            "max_concurrent_requests": eng.last_stats["max_concurrent_requests"],
+            "preemptions": eng.last_stats["preemptions"], "seconds": dt}
 
 
 def run_vllm(path: Path, ps, gen_len: int, policy: str = "dense", frac: float | None = None,
@@ -141,11 +113,11 @@ def pool_lines(rows: list[dict]) -> list[str]:
             continue
         d = _dense_of(rows, r, pool=True)
         ratio = "" if d is None else (
-            f"  {r['mean_running'] / d['mean_running']:.2f}x dense's running, "
+            f"  {r['concurrent_requests'] / d['concurrent_requests']:.2f}x dense's running, "
             f"{r['tok_per_s'] / d['tok_per_s']:.2f}x its tok/s")
         out.append(f"{r['model']:<5} {r['gen_len']:>6} {r['policy']:<9} {r['budget_frac']:.3f} "
                    f"pool {r['pool_bytes'] / 2**20:7.2f} MiB requests {r['batch']:>4} running "
-                   f"mean {r['mean_running']:6.1f} max {r['concurrent_requests']:>4} preempted "
+                   f"mean {r['concurrent_requests']:6.1f} max {r['max_concurrent_requests']:>4} preempted "
                    f"{r['preemptions']:>4} {r['tok_per_s']:7.0f} tok/s{ratio}")
     return out
 
@@ -154,7 +126,7 @@ def bars(rows: list[dict], frac: float, length: int) -> list[tuple[str, bool | N
     """Issue 17's targets as (line, passed), None where a row is missing: when this run has
     ``BAR_MODEL`` at ``length`` tokens, vLLM snapkv and rkv at budget ``frac`` >= ``BAR_SPEED`` x
     vLLM dense's tok/s at the same batch; at equal pool bytes >= ``BAR_CONCURRENT`` x its requests
-    running at once (``mean_running``: see ``StepLog``) and >= ``BAR_SPEED`` x its tok/s."""
+    running at once (``concurrent_requests``: the mean per scheduling step) and >= ``BAR_SPEED`` x its tok/s."""
     out: list[tuple[str, bool | None]] = []
     lengths = sorted({r["gen_len"] for r in rows if r["model"] == BAR_MODEL
                       and r["gen_len"] == length})
@@ -178,9 +150,9 @@ def bars(rows: list[dict], frac: float, length: int) -> list[tuple[str, bool | N
                 out.append((f"{tag} {policy:<6} {where}: {speed:.2f}x vLLM dense tok/s "
                             f"(>= {BAR_SPEED:.1f}x)", speed >= BAR_SPEED))
                 if pool:
-                    conc = r["mean_running"] / dense["mean_running"]
+                    conc = r["concurrent_requests"] / dense["concurrent_requests"]
                     out.append((f"{tag} {policy:<6} {where}: {conc:.2f}x vLLM dense's requests "
-                                f"running at once (mean {r['mean_running']:.1f} vs "
-                                f"{dense['mean_running']:.1f}; >= {BAR_CONCURRENT:.0f}x)",
+                                f"running at once (mean {r['concurrent_requests']:.1f} vs "
+                                f"{dense['concurrent_requests']:.1f}; >= {BAR_CONCURRENT:.0f}x)",
                                 conc >= BAR_CONCURRENT))
     return out

@@ -98,11 +98,11 @@ def _vllm_rows(policies=("snapkv", "rkv"), same=(1.6, 1.4), pool=((4.0, 1.7), (2
     base = {"model": "mid", "gen_len": 2048, "engine": "vllm", "budget_frac": 0.25}
     rows = [dict(base, policy="dense", budget_frac=1.0, tok_per_s=100.0, equal_pool=False),
             dict(base, policy="dense", budget_frac=1.0, tok_per_s=80.0, equal_pool=True,
-                 mean_running=dense_running, concurrent_requests=64)]
+                 concurrent_requests=dense_running, max_concurrent_requests=64)]
     for p, s, (run, speed) in zip(policies, same, pool):
         rows.append(dict(base, policy=p, tok_per_s=100.0 * s, equal_pool=False))
         rows.append(dict(base, policy=p, tok_per_s=80.0 * speed, equal_pool=True,
-                         mean_running=dense_running * run, concurrent_requests=64))
+                         concurrent_requests=dense_running * run, max_concurrent_requests=64))
     return rows
 
 
@@ -152,7 +152,7 @@ def test_bench_without_vllm_writes_the_new_columns(tmp_path, capsys):
     assert [(r["engine"], r["policy"]) for r in rows] == [("native", "dense"), ("native", "rkv")]
     for r in rows:
         assert r["dtype"] == "bfloat16" and r["equal_pool"] is False
-        assert r["concurrent_requests"] is None and r["mean_running"] is None
+        assert r["concurrent_requests"] is None and r["max_concurrent_requests"] is None
     assert "equal KV pool" not in capsys.readouterr().out
 
 
@@ -178,11 +178,11 @@ def test_quick_sized_run_with_vllm_rows_and_equal_pool(tmp_path, capsys):
     pool = [r for r in rows if r["equal_pool"]]
     assert len({r["pool_bytes"] for r in pool}) == 1 and all(r["batch"] == 6 for r in pool)
     for r in pool:
-        assert r["engine"] == "vllm" and 1 <= r["mean_running"] <= r["concurrent_requests"] <= 6
+        assert r["engine"] == "vllm" and 1 <= r["concurrent_requests"] <= r["max_concurrent_requests"] <= 6
         assert r["preemptions"] >= 0 and r["tok_per_s"] > 0
     # the pool holds two dense sequences at full length (plus a block each): dense never runs all
     # six at once for long
-    assert vllm[("dense", True)]["mean_running"] < 6
+    assert vllm[("dense", True)]["concurrent_requests"] < 6
     for r in rows:
         if r["engine"] != "vllm":
             assert r["concurrent_requests"] is None and r["pool_bytes"] is None

@@ -32,6 +32,7 @@ sliding-window KV cache (``rollout.kv.policy=streaming``) or with score-based ev
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -183,7 +184,9 @@ class VLLMEngine:
             raise ConfigError("rollout.vllm.max_model_len", max_model_len,
                               "> 0 (the model config has no max_position_embeddings to derive "
                               "it from)")
-        if limit and n > limit:
+        # VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 is vLLM's own opt-in to extrapolate RoPE past the
+        # model's positions (the native engine always may): honoured, not implied
+        if limit and n > limit and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1":
             raise ConfigError("rollout.vllm.max_model_len", n,
                               f"<= the model's max_position_embeddings ({limit}); when derived, "
                               "lower the longest prompt or rollout.max_new_tokens")
