@@ -168,6 +168,12 @@ class VLLMEngine:
         if cpu:  # no device memory to take a share of: an explicit pool
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes or
                                                   self._pool_bytes(max_model_len, block_size))
+            # No chunked prefill on CPU: a seeded request whose prefill is split has its partial
+            # step's sample discarded, and vLLM 0.32 then rewinds the request's generator offset,
+            # which CPU generators do not have ("CPU Generator does not use offset"): it happened
+            # to requests recomputed after a preemption in a full pool. Whole prefills instead.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(int(max_model_len), 4096)
         else:    # vLLM sizes the pool from what the share leaves, unless given exactly
             kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
             if kv_cache_bytes:

@@ -118,14 +118,19 @@ class KVMeter:
         self.peak: dict[str, int] = {}
         self.peak_total = 0
         self.max_concurrent = 0  # most requests running (holding KV) after one scheduling step
-        self.running_steps = 0   # scheduling steps with a running request, and their sum:
-        self.running_sum = 0     # the mean is how many requests the pool really keeps going
+        # requests running per step while others wait (the pool, not the demand, is the limit):
+        # how many requests the pool keeps going; all steps when none ever waited
+        self.running = {"saturated": [0, 0], "all": [0, 0]}   # [steps, sum of running]
         self.preemptions = 0     # requests vLLM preempted (blocks freed, recomputed later)
 
     @property
     def concurrent(self) -> float:
-        """Mean requests running per scheduling step (steps with none left out)."""
-        return self.running_sum / self.running_steps if self.running_steps else 0.0
+        """Mean requests running per scheduling step while requests wait (else over all steps
+        with a running request)."""
+        steps, total = self.running["saturated"]
+        if not steps:
+            steps, total = self.running["all"]
+        return total / steps if steps else 0.0
 
     def request_bytes(self, req_id: str) -> int:
         total = 0
@@ -137,8 +142,10 @@ class KVMeter:
     def sample(self, requests) -> None:
         self.max_concurrent = max(self.max_concurrent, len(requests))
         if requests:
-            self.running_steps += 1
-            self.running_sum += len(requests)
+            kinds = ("all", "saturated") if len(self.scheduler.waiting) else ("all",)
+            for kind in kinds:
+                self.running[kind][0] += 1
+                self.running[kind][1] += len(requests)
         step_total = 0
         for req in requests:
             rid = req.request_id

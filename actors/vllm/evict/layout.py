@@ -25,6 +25,10 @@ class CellMap:
         self.block_dim, self.block_stride = block_dim, block_stride
         self.kbase, self.vbase = kbase, vbase          # int64 [Hkv, B, D]: offsets in block 0
         self.block_size = kbase.shape[1]
+        # Every layout seen so far is affine once the slot and channel axes are split in two
+        # (fp32 keys: [D, B] per block; bf16 AMX: channel pairs): then tokens move through a
+        # strided view, without an int64 offset per channel
+        self.strides = {"k": _fit_strides(kbase), "v": _fit_strides(vbase)}
 
     @classmethod
     def probe(cls, write, kv: torch.Tensor, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -87,6 +91,57 @@ class CellMap:
         span = 1 + sum((s - 1) * st for s, st in zip(kv.shape, kv.stride()))
         return kv.as_strided((span,), (1,), kv.storage_offset())
 
+    def _view(self, kv: torch.Tensor, which: str) -> torch.Tensor | None:
+        """[blocks, Hkv, B/j, j, D/k, k] strided view of the keys or values, or None."""
+        fit = self.strides[which]
+        if fit is None:
+            return None
+        (j, k), (b0, sh, so_hi, so_lo, sd_hi, sd_lo) = fit
+        h, b, d = self.kbase.shape
+        nb = kv.shape[self.block_dim]
+        return kv.as_strided((nb, h, b // j, j, d // k, k),
+                             (self.block_stride, sh, so_hi, so_lo, sd_hi, sd_lo),
+                             kv.storage_offset() + b0)
+
+    def _index(self, blocks: torch.Tensor, slots: torch.Tensor, which: str):
+        (j, _), _ = self.strides[which]
+        heads = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)
+        blk = blocks.to(slots.device).long()[slots // self.block_size]
+        o = slots % self.block_size
+        return blk, heads, o // j, o % j
+
+    def take(self, kv: torch.Tensor, which: str, blocks: torch.Tensor,
+             slots: torch.Tensor) -> torch.Tensor:
+        """Keys (``which="k"``) or values of ``slots`` [Hkv, S] (per head) of a request whose
+        block table is ``blocks``: [Hkv, S, D] (a copy)."""
+        view = self._view(kv, which)
+        if view is None:
+            k_off, v_off = self.cells_per_head(blocks, slots)
+            return CellMap.flat(kv)[k_off if which == "k" else v_off]
+        h, s = slots.shape
+        return view[self._index(blocks, slots, which)].reshape(h, s, -1)
+
+    def put(self, kv: torch.Tensor, which: str, blocks: torch.Tensor, slots: torch.Tensor,
+            values: torch.Tensor) -> None:
+        """Write ``values`` [Hkv, S, D] into ``slots`` [Hkv, S] (per head)."""
+        view = self._view(kv, which)
+        if view is None:
+            k_off, v_off = self.cells_per_head(blocks, slots)
+            CellMap.flat(kv)[k_off if which == "k" else v_off] = values
+            return
+        h, s = slots.shape
+        view[self._index(blocks, slots, which)] = values.reshape(h, s, view.shape[-2],
+                                                                 view.shape[-1])
+
+    def cells_per_head(self, blocks: torch.Tensor, slots: torch.Tensor):
+        """Offsets of keys and values of ``slots`` [Hkv, S] (each head its own slots):
+        [Hkv, S, D] each."""
+        slots = slots.to(self.kbase.device)
+        b = blocks.to(self.kbase.device).long()[slots // self.block_size] * self.block_stride
+        o = slots % self.block_size
+        heads = torch.arange(slots.shape[0], device=slots.device)[:, None]
+        return (b[..., None] + self.kbase[heads, o, :], b[..., None] + self.vbase[heads, o, :])
+
     def cells(self, blocks: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Offsets (in ``flat(kv)``) of the keys and of the values of ``slots`` [S] of a request
         whose block table is ``blocks`` [nblocks]: two int64 tensors [Hkv, S, D]."""
@@ -94,3 +149,26 @@ class CellMap:
         b = blocks.to(self.kbase.device).long()[slots // self.block_size] * self.block_stride
         o = slots % self.block_size
         return b[None, :, None] + self.kbase[:, o, :], b[None, :, None] + self.vbase[:, o, :]
+
+
+def _fit_strides(base: torch.Tensor):
+    """((j, k), (offset, stride_head, stride_slot_hi, stride_slot_lo, stride_chan_hi,
+    stride_chan_lo)) such that base[h, o, d] = offset + h*sh + (o//j)*so_hi + (o%j)*so_lo
+    + (d//k)*sd_hi + (d%k)*sd_lo for every cell, trying the smallest splits first; None if no
+    split makes the layout affine."""
+    h, b, d = base.shape
+    hh = torch.arange(h)[:, None, None]
+    oo = torch.arange(b)[None, :, None]
+    dd = torch.arange(d)[None, None, :]
+    b0 = int(base[0, 0, 0])
+    at = lambda i, o, c: int(base[i, o, c]) - b0  # noqa: E731
+    for j in [x for x in (1, 2, 4, 8, 16, 32, 64, 128) if b % x == 0]:
+        for k in [x for x in (1, 2, 4, 8, 16, 32) if d % x == 0]:
+            st = (at(1, 0, 0) if h > 1 else 0, at(0, j, 0) if b > j else 0,
+                  at(0, 1, 0) if j > 1 else 0, at(0, 0, k) if d > k else 0,
+                  at(0, 0, 1) if k > 1 else 0)
+            pred = (b0 + hh * st[0] + (oo // j) * st[1] + (oo % j) * st[2] + (dd // k) * st[3]
+                    + (dd % k) * st[4])
+            if torch.equal(pred, base.cpu()):
+                return (j, k), (b0, *st)
+    return None

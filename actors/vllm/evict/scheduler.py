@@ -11,12 +11,21 @@ hooks (installed by ``install.py`` on the in-process engine core) do two things:
   unscheduled keeps its data), the blocks past those the compacted cache and the step's new
   tokens need are returned to the block pool. The runner compacts before anything else
   touches the pool's blocks in that step (``worker.py``), so the freed blocks can go to other
-  requests, or admit new ones, in the very same step.
+  requests, or admit new ones, in the very same step;
+* admission reserves: vLLM admits a waiting request whenever its prompt fits and preempts
+  (frees, to recompute from scratch) when running requests later run out of blocks. A request
+  that evicts holds at most ``cdiv(max budget + N, block)`` blocks once decoding, so a new
+  request is admitted only if the free blocks cover that for it (or its whole prompt, if
+  longer) plus what every running request may still grow to: the pool then fills to its
+  capacity and nobody is preempted for a request admitted too early (a recomputed request
+  re-prefills its whole sequence densely).
 
 A preempted request is recomputed from scratch (vLLM frees all its blocks); its cache is then
 rebuilt densely from prompt + outputs and compacted from there (prefill length = all its tokens).
 """
 from __future__ import annotations
+
+from vllm.v1.request import RequestStatus
 
 from actors.config import KVConfig
 from actors.vllm.evict.rule import BudgetTable, CacheLength
@@ -36,6 +45,9 @@ class SchedulerEviction:
             raise ValueError(f"KV eviction on vLLM needs one KV cache group, got {len(managers)}")
         self.blocks = managers[0]
         self.block_size = int(self.blocks.block_size)
+        self.scheduler = scheduler
+        self.cap_blocks = _cdiv(max(self.table.budgets) + self.table.every, self.block_size)
+        self.refused = 0                           # admissions deferred by the reservation
         self.rules: dict[str, CacheLength] = {}
         self.offset: dict[str, int] = {}           # set only while allocate_slots runs
         self.freed_blocks = 0                      # returned to the pool by compactions
@@ -84,8 +96,24 @@ class SchedulerEviction:
                                                  int(request.num_tokens))
         return rule
 
+    def _room_for(self, request) -> bool:
+        """Whether a waiting (or preempted) request may start: free blocks >= its own peak plus
+        what every running request may still grow to (``cap_blocks`` each)."""
+        if self.table.for_request(request.request_id).dense:
+            return True                # a dense request (evaluation) is vLLM's usual business
+        held = self.blocks.req_to_blocks
+        reserve = sum(max(0, self.cap_blocks - len(held.get(r.request_id, ())))
+                      for r in self.scheduler.running
+                      if not self.table.for_request(r.request_id).dense)
+        need = max(self.cap_blocks, _cdiv(int(request.num_tokens), self.block_size))
+        return self.manager.block_pool.get_num_free_blocks() >= reserve + need
+
     def _allocate(self, allocate, request, num_new_tokens, args, kwargs):
         rid = request.request_id
+        if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and \
+                not self._room_for(request):
+            self.refused += 1
+            return None
         step = self.rule(request).at(int(request.num_computed_tokens))
         self.offset[rid] = step.offset
         try:

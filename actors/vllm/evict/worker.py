@@ -164,28 +164,29 @@ class Evictor:
         blocks = torch.tensor(req.block_ids[0], dtype=torch.long)
         n, b, nl = step.held, step.length, len(self.layers)
         pos_all = st.positions(n, nl, self.hkv)
-        slots = torch.arange(n)
         protect = torch.tensor([st.prompt_len]) if self.kv.protect_prompt else None
         kept = []
         for i in range(nl):
             kv, cmap = self.cache(i), self.maps[i]
-            flat = CellMap.flat(kv)
-            ko, vo = cmap.cells(blocks, slots)                            # [Hkv, n, D]
-            keys, pos = flat[ko], pos_all[i].to(kv.device)
+            dev = kv.device
+            every = torch.arange(n, device=dev).expand(self.hkv, n)
+            keys, pos = cmap.take(kv, "k", blocks, every), pos_all[i].to(dev)   # [Hkv, n, D]
             win = None
             if self.w:
                 q = self.rings[i][st.ring * self.w:(st.ring + 1) * self.w]
                 q = q.view(self.w, self.hq, self.head_dim).transpose(0, 1)[None]
-                win = policies.window_logits(q, torch.tensor([step.t], device=kv.device),
-                                             keys[None], pos[None],
-                                             torch.tensor([n], device=kv.device), self.scaling)
+                win = policies.window_logits(q, torch.tensor([step.t], device=dev), keys[None],
+                                             pos[None], torch.tensor([n], device=dev),
+                                             self.scaling)
             acc = st.acc[i, :, :n][None] if st.acc is not None else None
-            view = policies.LayerView(keys[None], pos[None], torch.tensor([n], device=kv.device),
+            view = policies.LayerView(keys[None], pos[None], torch.tensor([n], device=dev),
                                       acc, win, protect)
             idx = policies.select(self.policy, self.kv, b, view)[0]     # [Hkv, b], sorted
-            cols = idx[..., None].expand(-1, -1, self.head_dim)
-            flat[ko[:, :b]] = flat[ko.gather(1, cols)]                  # RHS is read first
-            flat[vo[:, :b]] = flat[vo.gather(1, cols)]
+            dst = torch.arange(b, device=dev).expand(self.hkv, b)
+            kept_keys = keys.gather(1, idx[..., None].expand(-1, -1, self.head_dim))
+            kept_values = cmap.take(kv, "v", blocks, idx)                # copies: read first
+            cmap.put(kv, "k", blocks, dst, kept_keys)
+            cmap.put(kv, "v", blocks, dst, kept_values)
             if st.acc is not None:
                 st.acc[i, :, :b] = st.acc[i, :, :n].gather(1, idx)
                 st.acc[i, :, b:] = 0
@@ -260,8 +261,8 @@ class Evictor:
         st, kv, cmap = self.states[rid], self.cache(i), self.maps[i]
         k, n = q.shape[0], before + q.shape[0]
         blocks = torch.tensor(self.runner.requests[rid].block_ids[0], dtype=torch.long)
-        ko, _ = cmap.cells(blocks, torch.arange(n))
-        keys = CellMap.flat(kv)[ko].float()                                   # [Hkv, n, D]
+        every = torch.arange(n, device=kv.device).expand(self.hkv, n)
+        keys = cmap.take(kv, "k", blocks, every).float()                      # [Hkv, n, D]
         g = self.hq // self.hkv
         qh = q.view(k, self.hkv, g, self.head_dim).permute(1, 2, 0, 3).float()  # [Hkv,g,k,D]
         logits = torch.einsum("hgqd,hnd->hgqn", qh, keys) * self.scaling
