@@ -16,7 +16,7 @@ from common.validate import check_range, check_enum
 
 class EngineKind(str, enum.Enum):
     native = "native"   # actors/native: batched PyTorch engine with compressed KV (default)
-    vllm = "vllm"       # actors/vllm: optional vLLM peer (dense / sliding window), needs vLLM
+    vllm = "vllm"       # actors/vllm: vLLM (every KV policy: window or eviction), needs vLLM
 
 
 class KVPolicy(str, enum.Enum):

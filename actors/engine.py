@@ -2,7 +2,7 @@
 
 ``make_engine(cfg, model_path)`` returns the engine named by ``cfg.engine``: ``native`` is the batched
 PyTorch engine of ``actors/native`` with a compressed KV cache (the default); ``vllm`` is the optional
-vLLM peer of ``actors/vllm`` (dense or sliding window), available when vLLM is installed.
+vLLM engine of ``actors/vllm`` (every KV policy), available when vLLM is installed.
 """
 from __future__ import annotations
 

@@ -82,6 +82,26 @@ def test_layout_probe_round_trips_the_cpu_kernels_cache():
         flat = CellMap.flat(cache)
         assert torch.equal(flat[ko].transpose(0, 1), key), (dtype, isa)
         assert torch.equal(flat[vo].transpose(0, 1), val), (dtype, isa)
+        # both ways of moving tokens: the strided view fitted to the layout (fp32 and bf16 both
+        # fit one) and the per-channel offsets it falls back to; each head its own kept slots
+        assert cmap.strides["k"] is not None and cmap.strides["v"] is not None
+        every = torch.arange(t).expand(heads, t)
+        for fitted in (True, False):
+            c = cache.clone()
+            m = cmap if fitted else CellMap(cmap.block_dim, cmap.block_stride, cmap.kbase,
+                                            cmap.vbase)
+            if not fitted:
+                m.strides = {"k": None, "v": None}
+            assert torch.equal(m.take(c, "k", blocks, every), key.transpose(0, 1))
+            keep = torch.stack([torch.randperm(t)[:20].sort().values for _ in range(heads)])
+            dst = torch.arange(20).expand(heads, 20)
+            want_k, want_v = m.take(c, "k", blocks, keep), m.take(c, "v", blocks, keep)
+            m.put(c, "k", blocks, dst, want_k)
+            m.put(c, "v", blocks, dst, want_v)
+            assert torch.equal(m.take(c, "k", blocks, dst), key.transpose(0, 1).gather(
+                1, keep[..., None].expand(-1, -1, d)))
+            assert torch.equal(m.take(c, "v", blocks, dst), want_v)
+            assert torch.equal(m.take(c, "k", blocks, every)[:, 64:], key.transpose(0, 1)[:, 64:])
 
 
 CASES = {
