@@ -156,35 +156,45 @@ def test_bench_without_vllm_writes_the_new_columns(tmp_path, capsys):
     assert "equal KV pool" not in capsys.readouterr().out
 
 
-def test_quick_sized_run_with_vllm_rows_and_equal_pool(tmp_path, capsys):
-    """A small run with vLLM: dense and streaming rows at the bench batch, the equal-pool rows at
-    one pool for every vLLM policy the engine runs (snapkv is refused today: skipped, not fatal)."""
+def test_quick_sized_run_with_vllm_rows_and_equal_pool(tmp_path):
+    """A small run with vLLM: dense, window and eviction rows at the bench batch, the equal-pool
+    rows at one pool for every vLLM policy. In a subprocess: in-process vLLM starts its own
+    torch.distributed group, which later DeepSpeed learners in this pytest process must not see."""
     pytest.importorskip("vllm")
     import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    from bench.rollout import main
-
+    root = Path(__file__).resolve().parents[1]
     out = tmp_path / "rows.json"
-    main(["--models", "tiny", "--lengths", "64", "--budgets", "0.25", "--batch", "3",
-          "--repeat", "1", "--hf", "", "--policies", "streaming,snapkv", "--every", "16",
-          "--dtype", "bfloat16", "--pool-min-len", "64", "--pool-batch", "2",
-          "--pool-requests", "6", "--json", str(out)])
+    args = ["--models", "tiny", "--lengths", "64", "--budgets", "0.25", "--batch", "3",
+            "--repeat", "1", "--hf", "", "--policies", "streaming,snapkv", "--every", "16",
+            "--dtype", "bfloat16", "--pool-min-len", "64", "--pool-batch", "2",
+            "--pool-requests", "6", "--json", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, str(root / "bench" / "rollout.py"), *args], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert all(r["dtype"] == "bfloat16" for r in rows)
     vllm = {(r["policy"], r["equal_pool"]): r for r in rows if r["engine"] == "vllm"}
-    for key in [("dense", False), ("streaming", False), ("dense", True), ("streaming", True)]:
-        assert key in vllm, key
+    for policy in ("dense", "streaming", "snapkv"):
+        for pool in (False, True):
+            assert (policy, pool) in vllm, (policy, pool)
     assert vllm[("streaming", False)]["budget"] == 16 and vllm[("dense", False)]["batch"] == 3
     pool = [r for r in rows if r["equal_pool"]]
     assert len({r["pool_bytes"] for r in pool}) == 1 and all(r["batch"] == 6 for r in pool)
     for r in pool:
-        assert r["engine"] == "vllm" and 1 <= r["concurrent_requests"] <= r["max_concurrent_requests"] <= 6
+        assert r["engine"] == "vllm"
+        assert 1 <= r["concurrent_requests"] <= r["max_concurrent_requests"] <= 6
         assert r["preemptions"] >= 0 and r["tok_per_s"] > 0
     # the pool holds two dense sequences at full length (plus a block each): dense never runs all
-    # six at once for long
+    # six at once for long; eviction reserves its growth and is never preempted
     assert vllm[("dense", True)]["concurrent_requests"] < 6
+    assert vllm[("snapkv", True)]["preemptions"] == 0
     for r in rows:
         if r["engine"] != "vllm":
             assert r["concurrent_requests"] is None and r["pool_bytes"] is None
-    text = capsys.readouterr().out
-    assert "# vLLM at equal KV pool bytes" in text and "dense's running" in text
+    assert "# vLLM at equal KV pool bytes" in proc.stdout and "dense's running" in proc.stdout
