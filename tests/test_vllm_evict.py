@@ -78,7 +78,7 @@ def test_layout_probe_round_trips_the_cpu_kernels_cache():
         key, val = torch.randn(t, heads, d).to(dtype), torch.randn(t, heads, d).to(dtype)
         blocks = torch.tensor([4, 1, 5])
         write(key, val, cache, blocks[torch.arange(t) // BLOCK] * BLOCK + torch.arange(t) % BLOCK)
-        ko, vo = cmap.cells(blocks, torch.arange(t))
+        ko, vo = cmap.cells(blocks, torch.arange(t).expand(heads, t))
         flat = CellMap.flat(cache)
         assert torch.equal(flat[ko].transpose(0, 1), key), (dtype, isa)
         assert torch.equal(flat[vo].transpose(0, 1), val), (dtype, isa)

@@ -116,7 +116,7 @@ class CellMap:
         block table is ``blocks``: [Hkv, S, D] (a copy)."""
         view = self._view(kv, which)
         if view is None:
-            k_off, v_off = self.cells_per_head(blocks, slots)
+            k_off, v_off = self.cells(blocks, slots)
             return CellMap.flat(kv)[k_off if which == "k" else v_off]
         h, s = slots.shape
         return view[self._index(blocks, slots, which)].reshape(h, s, -1)
@@ -126,29 +126,21 @@ class CellMap:
         """Write ``values`` [Hkv, S, D] into ``slots`` [Hkv, S] (per head)."""
         view = self._view(kv, which)
         if view is None:
-            k_off, v_off = self.cells_per_head(blocks, slots)
+            k_off, v_off = self.cells(blocks, slots)
             CellMap.flat(kv)[k_off if which == "k" else v_off] = values
             return
         h, s = slots.shape
         view[self._index(blocks, slots, which)] = values.reshape(h, s, view.shape[-2],
                                                                  view.shape[-1])
 
-    def cells_per_head(self, blocks: torch.Tensor, slots: torch.Tensor):
-        """Offsets of keys and values of ``slots`` [Hkv, S] (each head its own slots):
-        [Hkv, S, D] each."""
+    def cells(self, blocks: torch.Tensor, slots: torch.Tensor):
+        """Offsets (in ``flat(kv)``) of the keys and of the values of ``slots`` [Hkv, S] (each
+        head its own slots) of a request whose block table is ``blocks``: [Hkv, S, D] each."""
         slots = slots.to(self.kbase.device)
         b = blocks.to(self.kbase.device).long()[slots // self.block_size] * self.block_stride
         o = slots % self.block_size
         heads = torch.arange(slots.shape[0], device=slots.device)[:, None]
         return (b[..., None] + self.kbase[heads, o, :], b[..., None] + self.vbase[heads, o, :])
-
-    def cells(self, blocks: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Offsets (in ``flat(kv)``) of the keys and of the values of ``slots`` [S] of a request
-        whose block table is ``blocks`` [nblocks]: two int64 tensors [Hkv, S, D]."""
-        slots = slots.to(self.kbase.device)
-        b = blocks.to(self.kbase.device).long()[slots // self.block_size] * self.block_stride
-        o = slots % self.block_size
-        return b[None, :, None] + self.kbase[:, o, :], b[None, :, None] + self.vbase[:, o, :]
 
 
 def _fit_strides(base: torch.Tensor):
