@@ -43,7 +43,7 @@ from actors.config import KVConfig, longest_prompt
 from actors.engine import GenerationOutput, SamplingParams
 from actors.vllm import kv as kvmod
 from actors.vllm.env import setup_env
-from actors.vllm.evict.rule import DENSE_PREFIX
+from actors.vllm.evict.rule import DENSE_PREFIX, BudgetTable
 from actors.vllm.weights import Ledger, hf_skeleton, spec_of, validate
 from common.errors import ConfigError
 
@@ -286,9 +286,9 @@ class VLLMEngine:
             kept, bin_budgets = 1.0, []
         elif self.evicting:
             kept = kvmod.evicted_kept_ratio(len(prompt), len(ids), self.kv)
-            bins = -(-(len(prompt) + len(ids)) // self.kv.bin_tokens)
-            budgets = self.kv.bin_budgets()
-            bin_budgets = [budgets[min(b, len(budgets) - 1)] for b in range(bins)]
+            table = BudgetTable(self.kv)      # the rule's own per-position lookup
+            bins = -(-(len(prompt) + len(ids)) // table.bin_tokens)
+            bin_budgets = [table.at(b * table.bin_tokens) for b in range(bins)]
         else:
             kept, bin_budgets = kvmod.kept_ratio(len(prompt), len(ids), self.window), []
         return GenerationOutput(
