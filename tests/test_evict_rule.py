@@ -75,3 +75,90 @@ def test_rule_matches_native_engine(model, kv):
         peak = max([cache.at(len(p)).length] +
                    [cache.at(t).length + 1 for t in range(len(p), total - 1)])
         assert o.peak_kv_bytes == peak * eng.bytes_per_token
+
+
+@pytest.mark.parametrize("kv, prompt_len", [
+    (KVConfig(policy="snapkv", budget=10, compress_every=4), 3),
+    (KVConfig(policy="snapkv", budget=10, compress_every=4), 12),
+    (KVConfig(policy="rkv", budgets=[12, 8, 10], bin_tokens=16, compress_every=3), 5),
+])
+def test_next_compaction_is_the_next_position_that_compacts(kv, prompt_len):
+    """The lookahead the runner uses to record queries only before a compaction equals the
+    positions the rule compacts at, asked from every position (prefill ones included), and does
+    not move the rule (asking it again, or going on, gives the same answers)."""
+    total = 60
+    want = [t for t, _ in compactions(kv, prompt_len, total + 40)]
+    want = [a + 1 for a in want]                      # compactions() lists t - 1
+    cache = CacheLength(BudgetTable(kv), prompt_len)
+    for t in range(total):
+        nxt = cache.next_compaction(t)
+        assert nxt == cache.next_compaction(t)
+        assert nxt == min(u for u in want if u > t), t
+    assert CacheLength(BudgetTable(KVConfig(policy="dense")), 4).next_compaction(7) is None
+
+
+def _probed(layout: str, nb: int = 5, bs: int = 4, heads: int = 2, d: int = 3):
+    """A CellMap probed on a synthetic backend: ``combined`` [blocks, B, 2, H, D] (keys and
+    values of a block side by side), ``split`` [2, blocks, B, H, D] (FlashAttention's),
+    ``strided`` [B, blocks, 2, H, D] (a block's cells spread over the whole cache)."""
+    from actors.vllm.evict.layout import CellMap
+
+    shape = {"combined": (nb, bs, 2, heads, d), "split": (2, nb, bs, heads, d),
+             "strided": (bs, nb, 2, heads, d)}[layout]
+
+    def cells(cache, slots):
+        blk, o = slots // bs, slots % bs
+        if layout == "combined":
+            return cache[blk, o, 0], cache[blk, o, 1]
+        if layout == "split":
+            return cache[0, blk, o], cache[1, blk, o]
+        return cache[o, blk, 0], cache[o, blk, 1]
+
+    def write(key, value, cache, slots):
+        blk, o = slots // bs, slots % bs
+        if layout == "combined":
+            cache[blk, o, 0], cache[blk, o, 1] = key, value
+        elif layout == "split":
+            cache[0, blk, o], cache[1, blk, o] = key, value
+        else:
+            cache[o, blk, 0], cache[o, blk, 1] = key, value
+
+    cache = torch.zeros(shape)
+    return CellMap.probe(write, cache, nb, bs, heads, d), cache, write, cells
+
+
+@pytest.mark.parametrize("layout", ["combined", "split"])
+def test_block_moves_on_other_layouts(layout):
+    """Keys and values in one span per block, or in separate spans (FlashAttention's layout):
+    read / unpack / pack / write move exactly the cells of the blocks written, nothing else."""
+    nb, bs, heads, d = 5, 4, 2, 3
+    cmap, cache, write, cells = _probed(layout, nb, bs, heads, d)
+    assert len(cmap.spans) == (1 if layout == "combined" else 2)
+    slots = torch.arange(nb * bs)
+    key, val = torch.randn(nb * bs, heads, d), torch.randn(nb * bs, heads, d)
+    write(key, val, cache, slots)
+    blocks = torch.tensor([[3, 1], [0, 4]])
+    chunks = cmap.read(cache, blocks)
+    k = cmap.unpack(chunks, "k")
+    want = torch.stack([key[torch.cat([torch.arange(b * bs, b * bs + bs) for b in row])]
+                        for row in blocks.tolist()]).transpose(1, 2)
+    assert torch.equal(k, want)
+    before = cache.clone()
+    new_k, new_v = torch.randn(2, heads, bs, d), torch.randn(2, heads, bs, d)
+    cmap.pack(chunks, "k", new_k)
+    cmap.pack(chunks, "v", new_v)
+    cmap.write(cache, blocks[:, :1], chunks)
+    for r in range(2):
+        got_k, got_v = cells(cache, blocks[r, 0] * bs + torch.arange(bs))
+        assert torch.equal(got_k, new_k[r].transpose(0, 1))
+        assert torch.equal(got_v, new_v[r].transpose(0, 1))
+    other = torch.tensor([b for b in range(nb) if b not in (3, 0)])
+    for b in other.tolist():
+        assert [torch.equal(x, y) for x, y in zip(cells(cache, b * bs + torch.arange(bs)),
+                                                  cells(before, b * bs + torch.arange(bs)))] \
+            == [True, True], b
+
+
+def test_block_moves_refuse_a_layout_whose_blocks_interleave():
+    with pytest.raises(ValueError, match="span"):
+        _probed("strided")

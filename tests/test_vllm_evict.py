@@ -76,32 +76,33 @@ def test_layout_probe_round_trips_the_cpu_kernels_cache():
         cmap = CellMap.probe(write, cache, nb, BLOCK, heads, d)
         t = 70
         key, val = torch.randn(t, heads, d).to(dtype), torch.randn(t, heads, d).to(dtype)
-        blocks = torch.tensor([4, 1, 5])
-        write(key, val, cache, blocks[torch.arange(t) // BLOCK] * BLOCK + torch.arange(t) % BLOCK)
-        ko, vo = cmap.cells(blocks, torch.arange(t).expand(heads, t))
-        flat = CellMap.flat(cache)
-        assert torch.equal(flat[ko].transpose(0, 1), key), (dtype, isa)
-        assert torch.equal(flat[vo].transpose(0, 1), val), (dtype, isa)
-        # both ways of moving tokens: the strided view fitted to the layout (fp32 and bf16 both
-        # fit one) and the per-channel offsets it falls back to; each head its own kept slots
-        assert cmap.strides["k"] is not None and cmap.strides["v"] is not None
-        every = torch.arange(t).expand(heads, t)
-        for fitted in (True, False):
-            c = cache.clone()
-            m = cmap if fitted else CellMap(cmap.block_dim, cmap.block_stride, cmap.kbase,
-                                            cmap.vbase)
-            if not fitted:
-                m.strides = {"k": None, "v": None}
-            assert torch.equal(m.take(c, "k", blocks, every), key.transpose(0, 1))
-            keep = torch.stack([torch.randperm(t)[:20].sort().values for _ in range(heads)])
-            dst = torch.arange(20).expand(heads, 20)
-            want_k, want_v = m.take(c, "k", blocks, keep), m.take(c, "v", blocks, keep)
-            m.put(c, "k", blocks, dst, want_k)
-            m.put(c, "v", blocks, dst, want_v)
-            assert torch.equal(m.take(c, "k", blocks, dst), key.transpose(0, 1).gather(
-                1, keep[..., None].expand(-1, -1, d)))
-            assert torch.equal(m.take(c, "v", blocks, dst), want_v)
-            assert torch.equal(m.take(c, "k", blocks, every)[:, 64:], key.transpose(0, 1)[:, 64:])
+        blocks = torch.tensor([[4, 1, 5], [0, 2, 2]])     # two requests; the second's 2 blocks
+        write(key, val, cache, blocks[0][torch.arange(t) // BLOCK] * BLOCK + torch.arange(t) % BLOCK)
+        other = torch.randn(2 * BLOCK, heads, d).to(dtype)
+        write(other, -other, cache, blocks[1][torch.arange(2 * BLOCK) // BLOCK] * BLOCK
+              + torch.arange(2 * BLOCK) % BLOCK)
+        before = cache.clone()
+        chunks = cmap.read(cache, blocks)
+        k, v = cmap.unpack(chunks, "k"), cmap.unpack(chunks, "v")     # [2, Hkv, 3 * B, D]
+        assert torch.equal(k[0, :, :t], key.transpose(0, 1)), (dtype, isa)
+        assert torch.equal(v[0, :, :t], val.transpose(0, 1)), (dtype, isa)
+        assert torch.equal(k[1, :, :2 * BLOCK], other.transpose(0, 1))
+        assert torch.equal(v[1, :, :2 * BLOCK], -other.transpose(0, 1))
+        # each head keeps its own 20 slots, moved to slots [0, 20) of its request's first block
+        keep = torch.stack([torch.stack([torch.randperm(t)[:20].sort().values
+                                         for _ in range(heads)]) for _ in range(2)])
+        at = keep[..., None].expand(-1, -1, -1, d)
+        k[:, :, :20], v[:, :, :20] = k.gather(2, at), v.gather(2, at)
+        cmap.pack(chunks, "k", k[:, :, :BLOCK])
+        cmap.pack(chunks, "v", v[:, :, :BLOCK])
+        cmap.write(cache, blocks[:, :1], chunks)
+        again = cmap.read(cache, blocks)
+        k2, v2 = cmap.unpack(again, "k"), cmap.unpack(again, "v")
+        assert torch.equal(k2[:, :, :20], k[:, :, :20]) and torch.equal(v2[:, :, :20], v[:, :, :20])
+        assert torch.equal(k2[0, :, 20:t], key.transpose(0, 1)[:, 20:])   # tail blocks untouched
+        untouched = torch.ones(nb, dtype=torch.bool)
+        untouched[blocks[:, 0]] = False
+        assert torch.equal(cache[untouched], before[untouched])    # only the written blocks
 
 
 CASES = {
@@ -133,6 +134,28 @@ def test_greedy_equals_native_and_reference(model_dir, hf, name):
         assert a.bin_budgets == b.bin_budgets
         rec = recompute_logprobs(hf, a.prompt_ids, a.response_ids, a.trace, temperature=0)
         assert (rec - torch.tensor(a.logprobs)).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "rkv", "h2o"])
+def test_requests_compacted_in_one_batch_equal_native(model_dir, hf, policy):
+    """Requests due in the same step are compacted as one batch (one read, one ``select`` per
+    layer): two long prompts of different lengths cut right after their prefill, and two short
+    prompts of equal length reaching budget + N together. Tokens and kept sets still equal the
+    native engine's, one request at a time."""
+    from actors.native import NativeEngine
+
+    cfg = kv(policy)
+    prompts = [[1] + list(range(70, 120)), [1] + list(range(130, 199)), [1, 40, 41], [1, 60, 61]]
+    v = vllm_engine(model_dir, cfg).generate(prompts, greedy(72))
+    n = NativeEngine(hf, cfg, batch_size=8, trace=True).generate(prompts, greedy(72))
+    assert [x[0] for x in v[0].trace][:1] == [50] and [x[0] for x in v[1].trace][:1] == [69]
+    assert [x[0] for x in v[2].trace] == [x[0] for x in v[3].trace] != []
+    for a, b in zip(v, n):
+        assert a.response_ids == b.response_ids
+        assert [x[0] for x in a.trace] == [x[0] for x in b.trace]
+        for (_, ka), (_, kb) in zip(a.trace, b.trace):
+            assert torch.equal(ka, kb.cpu())
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < TOL
 
 
 def test_sampled_logprobs_are_those_of_the_kept_sets(model_dir, hf):

@@ -5,9 +5,15 @@ block's keys transposed (``[D, block]`` per head) and its values token-major, it
 interleave bf16 pairs, FlashAttention uses ``[2, blocks, block, heads, D]``. Rather than hard-code
 each, ``CellMap.probe`` writes marker values through the backend's own cache-update op
 (``impl.do_kv_cache_update``, the op the model uses) into a scratch cache of two blocks, and
-reads back where every (slot in block, KV head, channel) landed, for keys and for values. The
-map is then applied to the real cache with its own strides: the offset of slot s of a request is
-``block_ids[s // B] * stride(block dim) + base[h, s % B, d]``.
+reads back where every (slot in block, KV head, channel) landed, for keys and for values: the
+offset of slot s of a request is ``block_ids[s // B] * stride(block dim) + base[h, s % B, d]``.
+
+Tokens then move a block at a time: every block's keys (and values) occupy one span of the
+cache's storage, the same span in every block, so a request's blocks are copied out with one
+``index_select`` of whole spans (``read``), rearranged to ``[Hkv, slots, D]`` by an index into
+that small copy (``keys``/``values``), and written back the same way (``write``). A span holding
+both keys and values is read and written once; separate spans are checked to hold none of the
+other's cells, since writing a span back rewrites every element in it.
 
 Markers are small integers (coordinate + 1, keys positive, values negative), exact in bf16 and
 fp16 up to 256: head sizes above 255 and quantised (fp8) caches are refused.
@@ -20,14 +26,19 @@ MAX_MARK = 255
 
 
 class CellMap:
-    def __init__(self, block_dim: int, block_stride: int, kbase: torch.Tensor,
+    def __init__(self, block_dim: int, block_stride: int, num_blocks: int, kbase: torch.Tensor,
                  vbase: torch.Tensor):
-        self.block_dim, self.block_stride = block_dim, block_stride
+        self.block_dim, self.block_stride, self.num_blocks = block_dim, block_stride, num_blocks
         self.kbase, self.vbase = kbase, vbase          # int64 [Hkv, B, D]: offsets in block 0
-        self.block_size = kbase.shape[1]
+        self.heads, self.block_size, self.head_dim = kbase.shape
+        self.spans, which = _spans(kbase, vbase, block_stride, num_blocks)
+        # per tensor: (span index, cell offsets within that span in (head, slot, channel) order)
+        self.index = {name: (s, (base - self.spans[s][0]).reshape(-1))
+                      for name, base, s in (("k", kbase, which[0]), ("v", vbase, which[1]))}
         # Every layout seen so far is affine once the slot and channel axes are split in two
-        # (fp32 keys: [D, B] per block; bf16 AMX: channel pairs): then tokens move through a
-        # strided view, without an int64 offset per channel
+        # (fp32 keys: [D, B] per block; bf16 AMX: channel pairs): a strided view of the read
+        # blocks then rearranges them with one copy, several times faster than an index per
+        # cell (kept as the fallback)
         self.strides = {"k": _fit_strides(kbase), "v": _fit_strides(vbase)}
 
     @classmethod
@@ -82,7 +93,7 @@ class CellMap:
             if bool((base < 0).any()):
                 raise ValueError("KV layout probe: some cells of block 0 were never written")
             bases.append(base.to(kv.device))
-        return cls(block_dim, int(kv.stride(block_dim)), bases[0], bases[1])
+        return cls(block_dim, int(kv.stride(block_dim)), num_blocks, bases[0], bases[1])
 
     @staticmethod
     def flat(kv: torch.Tensor) -> torch.Tensor:
@@ -91,56 +102,91 @@ class CellMap:
         span = 1 + sum((s - 1) * st for s, st in zip(kv.shape, kv.stride()))
         return kv.as_strided((span,), (1,), kv.storage_offset())
 
-    def _view(self, kv: torch.Tensor, which: str) -> torch.Tensor | None:
-        """[blocks, Hkv, B/j, j, D/k, k] strided view of the keys or values, or None."""
-        fit = self.strides[which]
+    def _rows(self, kv: torch.Tensor, span: int) -> torch.Tensor:
+        """[num_blocks, size] view of span ``span`` of every block."""
+        lo, size = self.spans[span]
+        flat = CellMap.flat(kv)
+        return flat.as_strided((self.num_blocks, size), (self.block_stride, 1),
+                               flat.storage_offset() + lo)
+
+    def read(self, kv: torch.Tensor, blocks: torch.Tensor) -> list[torch.Tensor]:
+        """Copies of the spans of ``blocks`` [R, NB] (each row a request's blocks, in order):
+        one [R, NB, size] tensor per span."""
+        flat = blocks.reshape(-1).to(kv.device)
+        return [self._rows(kv, s).index_select(0, flat).view(*blocks.shape, -1)
+                for s in range(len(self.spans))]
+
+    def _cells(self, chunks: list[torch.Tensor], which: str) -> torch.Tensor | None:
+        """[R, NB, Hkv, B/j, j, D/k, k] strided view of the keys or values in read ``chunks``
+        (writes go through), or None where the layout has no affine fit."""
+        s, _ = self.index[which]
+        fit, c = self.strides[which], chunks[s]
         if fit is None:
             return None
         (j, k), (b0, sh, so_hi, so_lo, sd_hi, sd_lo) = fit
-        h, b, d = self.kbase.shape
-        nb = kv.shape[self.block_dim]
-        return kv.as_strided((nb, h, b // j, j, d // k, k),
-                             (self.block_stride, sh, so_hi, so_lo, sd_hi, sd_lo),
-                             kv.storage_offset() + b0)
+        r, nb, size = c.shape
+        h, b, d = self.heads, self.block_size, self.head_dim
+        return c.as_strided((r, nb, h, b // j, j, d // k, k),
+                            (nb * size, size, sh, so_hi, so_lo, sd_hi, sd_lo),
+                            c.storage_offset() + b0 - self.spans[s][0])
 
-    def _index(self, blocks: torch.Tensor, slots: torch.Tensor, which: str):
-        (j, _), _ = self.strides[which]
-        heads = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)
-        blk = blocks.to(slots.device).long()[slots // self.block_size]
-        o = slots % self.block_size
-        return blk, heads, o // j, o % j
-
-    def take(self, kv: torch.Tensor, which: str, blocks: torch.Tensor,
-             slots: torch.Tensor) -> torch.Tensor:
-        """Keys (``which="k"``) or values of ``slots`` [Hkv, S] (per head) of a request whose
-        block table is ``blocks``: [Hkv, S, D] (a copy)."""
-        view = self._view(kv, which)
+    def unpack(self, chunks: list[torch.Tensor], which: str) -> torch.Tensor:
+        """Keys (``which="k"``) or values of every slot of read blocks: [R, Hkv, NB * B, D]."""
+        s, idx = self.index[which]
+        r, nb = chunks[s].shape[:2]
+        h, b, d = self.heads, self.block_size, self.head_dim
+        view = self._cells(chunks, which)
         if view is None:
-            k_off, v_off = self.cells(blocks, slots)
-            return CellMap.flat(kv)[k_off if which == "k" else v_off]
-        h, s = slots.shape
-        return view[self._index(blocks, slots, which)].reshape(h, s, -1)
+            view = chunks[s].index_select(2, idx.to(chunks[s].device)).view(r, nb, h, b, d)
+        dims = (0, 2, 1) + tuple(range(3, view.dim()))
+        # always a copy (a reshape may return a view of the chunk, which ``pack`` writes)
+        return view.permute(*dims).clone(memory_format=torch.contiguous_format).view(
+            r, h, nb * b, d)
 
-    def put(self, kv: torch.Tensor, which: str, blocks: torch.Tensor, slots: torch.Tensor,
-            values: torch.Tensor) -> None:
-        """Write ``values`` [Hkv, S, D] into ``slots`` [Hkv, S] (per head)."""
-        view = self._view(kv, which)
+    def pack(self, chunks: list[torch.Tensor], which: str, values: torch.Tensor) -> None:
+        """Put ``values`` [R, Hkv, nb * B, D] into the first nb blocks of read ``chunks``."""
+        s, idx = self.index[which]
+        r, h, slots, d = values.shape
+        nb = slots // self.block_size
+        cells = values.view(r, h, nb, self.block_size, d).permute(0, 2, 1, 3, 4)
+        view = self._cells(chunks, which)
         if view is None:
-            k_off, v_off = self.cells(blocks, slots)
-            CellMap.flat(kv)[k_off if which == "k" else v_off] = values
+            chunks[s][:, :nb].index_copy_(2, idx.to(values.device),
+                                          cells.reshape(r, nb, -1).to(chunks[s].dtype))
             return
-        h, s = slots.shape
-        view[self._index(blocks, slots, which)] = values.reshape(h, s, view.shape[-2],
-                                                                 view.shape[-1])
+        view[:, :nb] = cells.reshape(view[:, :nb].shape)
 
-    def cells(self, blocks: torch.Tensor, slots: torch.Tensor):
-        """Offsets (in ``flat(kv)``) of the keys and of the values of ``slots`` [Hkv, S] (each
-        head its own slots) of a request whose block table is ``blocks``: [Hkv, S, D] each."""
-        slots = slots.to(self.kbase.device)
-        b = blocks.to(self.kbase.device).long()[slots // self.block_size] * self.block_stride
-        o = slots % self.block_size
-        heads = torch.arange(slots.shape[0], device=slots.device)[:, None]
-        return (b[..., None] + self.kbase[heads, o, :], b[..., None] + self.vbase[heads, o, :])
+    def write(self, kv: torch.Tensor, blocks: torch.Tensor, chunks: list[torch.Tensor]) -> None:
+        """Write the first ``blocks.shape[1]`` blocks of ``chunks`` back to ``blocks`` [R, nb]."""
+        flat, nb = blocks.reshape(-1).to(kv.device), blocks.shape[1]
+        for s, c in enumerate(chunks):
+            self._rows(kv, s).index_copy_(0, flat, c[:, :nb].reshape(flat.numel(), -1))
+
+
+def _spans(kbase: torch.Tensor, vbase: torch.Tensor, stride: int, num_blocks: int):
+    """The storage spans a block's keys and values occupy: ``([(lo, size), ...], (span of the
+    keys, span of the values))``. One span when both fit within a block's stride, else one each,
+    provided neither span of any block holds a cell of the other tensor in any block (writing a
+    span back rewrites all of it)."""
+    lo = int(min(kbase.min(), vbase.min()))
+    hi = int(max(kbase.max(), vbase.max()))
+    if hi - lo < stride:
+        return [(lo, hi - lo + 1)], (0, 0)
+    spans = []
+    for base, other in ((kbase, vbase), (vbase, kbase)):
+        a, b = int(base.min()), int(base.max())
+        if b - a >= stride:
+            raise ValueError(f"KV layout: a block's cells span {b - a + 1} elements, more than "
+                             f"the block stride {stride}")
+        # block shift m that would bring another block's cell x into [a, b]: x + m * stride
+        x = other.reshape(-1).cpu()
+        m = torch.div(a - x + stride - 1, stride, rounding_mode="floor")
+        inside = (x + m * stride <= b) & (m.abs() < num_blocks)
+        if bool(inside.any()):
+            raise ValueError("KV layout: keys and values of different blocks interleave in "
+                             "storage; block-wise moves are not supported for this backend")
+        spans.append((a, b - a + 1))
+    return spans, (0, 1)
 
 
 def _fit_strides(base: torch.Tensor):

@@ -98,5 +98,18 @@ class CacheLength:
         self._last = Step(t, self._n, self._before(t, self._n))
         return self._last
 
+    def next_compaction(self, t: int) -> int | None:
+        """The first position after ``t`` whose write is preceded by a compaction (None: never),
+        without advancing: the runner records queries only in the observation window before it."""
+        if self.table.dense:
+            return None
+        n = self.at(t).length
+        horizon = max(self.prefill_len - t, 0) + max(self.table.budgets) + self.table.every + 2
+        for u in range(t + 1, t + horizon):
+            n += 1                                   # position u - 1 was written
+            if self._before(u, n) < n:
+                return u
+        return None
+
 
 DENSE = BudgetTable(KVConfig(policy="dense"))

@@ -36,6 +36,14 @@ from actors.vllm.evict.rule import BudgetTable, CacheLength, Step
 WINDOW_POLICIES = (KVPolicy.snapkv, KVPolicy.rkv)
 
 
+def _slots(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x[r, h, idx[r, h, j]]: [R, Hkv, b, D] from x [R, Hkv, S, D] (contiguous), whole rows of
+    D at a time (``gather`` with an index expanded over D is several times slower)."""
+    r, h, s, d = x.shape
+    rows = idx + (torch.arange(r * h, device=x.device) * s).view(r, h, 1)
+    return x.reshape(r * h * s, d).index_select(0, rows.reshape(-1)).view(r, h, -1, d)
+
+
 class RequestKV:
     """Runner-side state of one request."""
 
@@ -45,6 +53,7 @@ class RequestKV:
         self.kept: torch.Tensor | None = None      # [L, Hkv, k] positions of slots [0, k)
         self.offset = 0                            # position - slot for slots >= k
         self.acc: torch.Tensor | None = None       # [L, Hkv, cap] accumulated attention (H2O)
+        self.next_t: int | None = None             # the next compaction's position, once known
         self.trace: list[tuple[int, torch.Tensor]] = []
 
     def positions(self, n: int, layers: int, heads: int) -> torch.Tensor:
@@ -149,6 +158,7 @@ class Evictor:
         for req in out.scheduled_new_reqs:
             self._start(req.req_id, len(req.prompt_token_ids), len(req.prompt_token_ids))
         cached = out.scheduled_cached_reqs
+        due: dict[int, list] = {}
         for i, rid in enumerate(cached.req_ids):
             if rid in cached.resumed_req_ids or rid not in self.states:
                 state = self.runner.requests[rid]
@@ -157,44 +167,74 @@ class Evictor:
                 continue
             step = self.states[rid].rule.at(int(cached.num_computed_tokens[i]))
             if step.compacts:
-                self._compact(rid, step, int(out.num_scheduled_tokens[rid]))
+                due.setdefault(step.length, []).append(
+                    (rid, step, int(out.num_scheduled_tokens[rid])))
+        for group in due.values():          # one batch per kept length (per-bin budgets differ)
+            self._compact(group)
 
-    def _compact(self, rid: str, step: Step, new_tokens: int) -> None:
-        st, req = self.states[rid], self.runner.requests[rid]
-        blocks = torch.tensor(req.block_ids[0], dtype=torch.long)
-        n, b, nl = step.held, step.length, len(self.layers)
-        pos_all = st.positions(n, nl, self.hkv)
-        protect = torch.tensor([st.prompt_len]) if self.kv.protect_prompt else None
+    def _compact(self, group: list[tuple[str, Step, int]]) -> None:
+        """Score and compact the requests of ``group`` (rid, step, tokens scheduled), all cut to
+        the same length b, together: per layer their blocks are read once, one ``select`` runs
+        over the batch, and the kept K/V go back to each request's first blocks."""
+        states = [self.states[rid] for rid, _, _ in group]
+        steps = [step for _, step, _ in group]
+        b, nl, bs = steps[0].length, len(self.layers), self.block_size
+        held = torch.tensor([st.held for st in steps])
+        s = int(held.max())
+        nblocks = -(-s // bs)
+        # every row's first nblocks blocks; a shorter row repeats its last block (read only:
+        # its slots lie beyond the row's length)
+        ids = [self.runner.requests[rid].block_ids[0] for rid, _, _ in group]
+        blocks = torch.tensor([(x + x[-1:] * nblocks)[:nblocks] for x in ids], dtype=torch.long)
+        pos_all = torch.stack([torch.nn.functional.pad(st.positions(n, nl, self.hkv),
+                                                       (0, s - n), value=-1)
+                               for st, n in zip(states, held.tolist())])   # [R, L, Hkv, S]
+        protect = (torch.tensor([st.prompt_len for st in states]) if self.kv.protect_prompt
+                   else None)
+        seen = torch.tensor([step.t for step in steps])
+        valid = torch.arange(s)[None] < held[:, None]                        # [R, S]
+        ragged = not bool(valid.all())
         kept = []
         for i in range(nl):
             kv, cmap = self.cache(i), self.maps[i]
             dev = kv.device
-            every = torch.arange(n, device=dev).expand(self.hkv, n)
-            keys, pos = cmap.take(kv, "k", blocks, every), pos_all[i].to(dev)   # [Hkv, n, D]
+            chunks = cmap.read(kv, blocks)
+            all_k = cmap.unpack(chunks, "k")                                # [R, Hkv, NB*B, D]
+            keys = all_k[:, :, :s]
+            if ragged:      # slots beyond a row's length may hold stale keys (and are free)
+                keys.masked_fill_(~valid[:, None, :, None].to(dev), 0)
+            pos, n = pos_all[:, i].to(dev), held.to(dev)
             win = None
             if self.w:
-                q = self.rings[i][st.ring * self.w:(st.ring + 1) * self.w]
-                q = q.view(self.w, self.hq, self.head_dim).transpose(0, 1)[None]
-                win = policies.window_logits(q, torch.tensor([step.t], device=dev), keys[None],
-                                             pos[None], torch.tensor([n], device=dev),
-                                             self.scaling)
-            acc = st.acc[i, :, :n][None] if st.acc is not None else None
-            view = policies.LayerView(keys[None], pos[None], torch.tensor([n], device=dev),
-                                      acc, win, protect)
-            idx = policies.select(self.policy, self.kv, b, view)[0]     # [Hkv, b], sorted
-            dst = torch.arange(b, device=dev).expand(self.hkv, b)
-            kept_keys = keys.gather(1, idx[..., None].expand(-1, -1, self.head_dim))
-            kept_values = cmap.take(kv, "v", blocks, idx)                # copies: read first
-            cmap.put(kv, "k", blocks, dst, kept_keys)
-            cmap.put(kv, "v", blocks, dst, kept_values)
-            if st.acc is not None:
-                st.acc[i, :, :b] = st.acc[i, :, :n].gather(1, idx)
-                st.acc[i, :, b:] = 0
-            kept.append(pos.gather(1, idx).cpu())
-        st.kept, st.offset = torch.stack(kept), step.t - b
-        if self.trace:
-            st.trace.append((step.t - 1, st.kept.clone()))
-        self._cut_blocks(rid, -(-(b + new_tokens) // self.block_size))
+                q = self.rings[i].view(-1, self.w, self.hq, self.head_dim)
+                q = q[torch.tensor([st.ring for st in states], device=dev)].transpose(1, 2)
+                win = policies.window_logits(q, seen.to(dev), keys, pos, n, self.scaling)
+            acc = None
+            if states[0].acc is not None:
+                acc = torch.stack([torch.nn.functional.pad(st.acc[i, :, :m], (0, s - m))
+                                   for st, m in zip(states, held.tolist())])
+            view = policies.LayerView(keys, pos, n, acc, win,
+                                      None if protect is None else protect.to(dev))
+            idx = policies.select(self.policy, self.kv, b, view)         # [R, Hkv, b], sorted
+            # kept K/V to slots [0, b), rewritten as whole blocks (slots >= b are free: the
+            # next token goes to slot b)
+            keep = -(-b // bs) * bs
+            all_v = cmap.unpack(chunks, "v")
+            all_k[:, :, :b], all_v[:, :, :b] = _slots(keys, idx), _slots(all_v, idx)
+            cmap.pack(chunks, "k", all_k[:, :, :keep])
+            cmap.pack(chunks, "v", all_v[:, :, :keep])
+            cmap.write(kv, blocks[:, :keep // bs], chunks)
+            for j, st in enumerate(states):
+                if st.acc is not None:
+                    st.acc[i, :, :b] = st.acc[i, :, :int(held[j])].gather(1, idx[j])
+                    st.acc[i, :, b:] = 0
+            kept.append(pos.gather(2, idx).cpu())                         # [R, Hkv, b]
+        kept_all = torch.stack(kept, dim=1)                                  # [R, L, Hkv, b]
+        for j, ((rid, step, new_tokens), st) in enumerate(zip(group, states)):
+            st.kept, st.offset, st.next_t = kept_all[j], step.t - b, None
+            if self.trace:
+                st.trace.append((step.t - 1, st.kept.clone()))
+            self._cut_blocks(rid, -(-(b + new_tokens) // bs))
 
     def _cut_blocks(self, rid: str, keep: int) -> None:
         """The request keeps its first ``keep`` blocks (the scheduler freed the others)."""
@@ -227,12 +267,21 @@ class Evictor:
             batch.block_table.compute_slot_mapping(nreq, r.query_start_loc.gpu[:nreq + 1], slots)
         plan: dict = {"total": total}
         if self.w:
-            rings = np.array([-1 if self.states[rid].ring is None else self.states[rid].ring
-                              for rid in ids], dtype=np.int64)
-            keep = (qpos >= (num_scheduled[req_idx] - self.w)) & (rings[req_idx] >= 0)
-            src = np.nonzero(keep)[0]
-            positions = computed[req_idx[src]] + qpos[src]
-            dst = rings[req_idx[src]] * self.w + positions % self.w
+            # a query is kept only in the observation window before its request's next
+            # compaction (every compaction scores the last w queries before its position)
+            rings = np.full(nreq, -1, dtype=np.int64)
+            first = np.zeros(nreq, dtype=np.int64)       # first position worth recording
+            for j, (rid, t) in enumerate(zip(ids, computed)):
+                st = self.states.get(rid)
+                if st is None or st.ring is None:
+                    continue
+                if st.next_t is None or st.next_t <= t:
+                    st.next_t = st.rule.next_compaction(int(t))
+                if st.next_t is not None:
+                    rings[j], first[j] = st.ring, st.next_t - self.w
+            positions = computed[req_idx] + qpos
+            src = np.nonzero((rings[req_idx] >= 0) & (positions >= first[req_idx]))[0]
+            dst = rings[req_idx[src]] * self.w + positions[src] % self.w
             if len(src):                        # dense-only steps (evaluation) have no rings
                 plan["ring"] = (torch.from_numpy(src).to(dev), torch.from_numpy(dst).to(dev))
         if self.policy == KVPolicy.h2o:
@@ -252,24 +301,36 @@ class Evictor:
         if "ring" in plan:
             src, dst = plan["ring"]
             self.rings[i].index_copy_(0, dst, q.index_select(0, src).to(self.rings[i].dtype))
-        for rid, start, k, before in plan.get("h2o", ()):
-            self._accumulate(i, rid, q[start:start + k], before)
+        if plan.get("h2o"):
+            self._accumulate(i, q, plan["h2o"])
 
-    def _accumulate(self, i: int, rid: str, q: torch.Tensor, before: int) -> None:
-        """H2O: add the attention of this step's k queries (slots before..before+k-1) to every
-        cached slot's score, summed over the query heads of its KV group (causal)."""
-        st, kv, cmap = self.states[rid], self.cache(i), self.maps[i]
-        k, n = q.shape[0], before + q.shape[0]
-        blocks = torch.tensor(self.runner.requests[rid].block_ids[0], dtype=torch.long)
-        every = torch.arange(n, device=kv.device).expand(self.hkv, n)
-        keys = cmap.take(kv, "k", blocks, every).float()                      # [Hkv, n, D]
+    def _accumulate(self, i: int, q: torch.Tensor, items: list) -> None:
+        """H2O: add the attention of each request's k queries this step (slots before .. before
+        + k - 1) to every cached slot's score, summed over the query heads of its KV group
+        (causal); all requests of the step in one batch. ``items``: (rid, first query row, k,
+        before) per request, ``q`` [tokens, Hq * D] the step's queries."""
+        kv, cmap, bs, dev = self.cache(i), self.maps[i], self.block_size, q.device
+        n = [before + k for _, _, k, before in items]
+        s, kmax, r = max(n), max(k for _, _, k, _ in items), len(items)
+        nblocks = -(-s // bs)
+        ids = [self.runner.requests[rid].block_ids[0] for rid, _, _, _ in items]
+        blocks = torch.tensor([(x + x[-1:] * nblocks)[:nblocks] for x in ids], dtype=torch.long)
+        keys = cmap.unpack(cmap.read(kv, blocks), "k")[:, :, :s].float()   # [R, Hkv, S, D]
+        rows = torch.stack([torch.arange(start, start + kmax) for _, start, _, _ in items])
+        qs = q.index_select(0, rows.clamp(max=q.shape[0] - 1).reshape(-1).to(dev)).float()
         g = self.hq // self.hkv
-        qh = q.view(k, self.hkv, g, self.head_dim).permute(1, 2, 0, 3).float()  # [Hkv,g,k,D]
-        logits = torch.einsum("hgqd,hnd->hgqn", qh, keys) * self.scaling
-        causal = torch.arange(n, device=kv.device)[None] > (before + torch.arange(k,
-                                                             device=kv.device))[:, None]
-        probs = torch.softmax(logits.masked_fill(causal, float("-inf")), dim=-1)
-        st.acc[i, :, :n] += probs.sum(dim=(1, 2))
+        qh = qs.view(r, kmax, self.hkv, g, self.head_dim).permute(0, 2, 3, 1, 4)  # [R,Hkv,g,k,D]
+        logits = torch.matmul(qh, keys[:, :, None].transpose(-1, -2)) * self.scaling
+        qpos = torch.tensor([before for *_, before in items], device=dev)[:, None] + \
+            torch.arange(kmax, device=dev)[None]                            # [R, k]
+        real = torch.arange(kmax, device=dev)[None] < torch.tensor([k for _, _, k, _ in items],
+                                                                    device=dev)[:, None]
+        # causal, and nothing for padded queries (their rows become 0 after the softmax)
+        hidden = (torch.arange(s, device=dev)[None, None] > qpos[..., None]) | ~real[..., None]
+        logits = logits.masked_fill(hidden[:, None, None], float("-inf"))
+        add = torch.softmax(logits, dim=-1).nan_to_num_(0.0).sum(dim=(2, 3))  # [R, Hkv, S]
+        for j, (rid, *_rest) in enumerate(items):
+            self.states[rid].acc[i, :, :n[j]] += add[j, :, :n[j]]
 
     # ---- results ---------------------------------------------------------------------------------
     def take_traces(self, req_ids: list[str]) -> dict[str, list]:
