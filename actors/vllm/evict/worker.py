@@ -6,7 +6,8 @@ Three hooks on vLLM's model runner (installed by ``install.py``), all in the run
    position it is about to write (``rule.CacheLength``) is scored with the native engine's policy
    code (``actors.native.policies.select``, one kept set per layer and KV head) and compacted:
    its kept keys and values move to slots [0, budget) of its own blocks, in place
-   (``layout.CellMap``), and its block list is cut to the blocks it still needs. The scheduler
+   (``layout.CellMap``), and its block list is cut to the blocks it still needs. Requests due
+   together and cut to the same length form one batch. The scheduler
    has already returned the rest to the pool (``scheduler.py``); nothing has written to them yet,
    because this runs before the step's state update zeroes newly allocated blocks.
 2. ``_prepare_inputs`` (after): vLLM computed positions, sequence lengths and the slot mapping
@@ -14,9 +15,10 @@ Three hooks on vLLM's model runner (installed by ``install.py``), all in the run
    tokens where they are); sequence lengths and slot mapping are recomputed from the compacted
    slot, position - offset, so attention reads the compacted cache and new tokens land right
    after it.
-3. attention ``impl.forward`` (after the kernel): queries are copied into a ring of the last
-   ``obs_window`` per request and layer (SnapKV, R-KV); for H2O the attention each cached key
-   receives is accumulated (an extra q.K pass: the fused kernels return no probabilities).
+3. attention ``impl.forward`` (after the kernel): queries are copied into a ring of
+   ``obs_window`` per request and layer (SnapKV, R-KV), only at the positions the request's next
+   compaction will read (the last ``obs_window`` before it); for H2O the attention each cached
+   key receives is accumulated (an extra q.K pass: the fused kernels return no probabilities).
 
 Per request the runner keeps the absolute position of every slot (kept sets per layer and head
 after a compaction, then consecutive) and, with ``trace=True``, the native engine's trace
