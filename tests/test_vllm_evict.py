@@ -54,6 +54,16 @@ def greedy(n: int):
     return SamplingParams(max_new_tokens=n, temperature=0.0)
 
 
+def assert_same_as_native(v, n) -> None:
+    """Equal tokens, compaction points and kept sets; log-probs within TOL."""
+    for a, b in zip(v, n):
+        assert a.response_ids == b.response_ids
+        assert [x[0] for x in a.trace] == [x[0] for x in b.trace]
+        for (_, ka), (_, kb) in zip(a.trace, b.trace):
+            assert torch.equal(ka, kb.cpu())
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < TOL
+
+
 def test_layout_probe_round_trips_the_cpu_kernels_cache():
     """The probed cell map reads back what the CPU backend's own cache-update op wrote, in the
     layouts it really uses (fp32 ``vec``: keys transposed per block; bf16: packed pairs)."""
@@ -124,12 +134,8 @@ def test_greedy_equals_native_and_reference(model_dir, hf, name):
     assert any(o.trace for o in v), "every case must compact"
     assert v[2].trace and v[2].trace[0][0] == len(PROMPTS[2]) - 1 or cfg.protect_prompt, \
         "the long prompt is compacted right after its prefill"
+    assert_same_as_native(v, n)
     for a, b in zip(v, n):
-        assert a.response_ids == b.response_ids
-        assert [x[0] for x in a.trace] == [x[0] for x in b.trace]
-        for (_, ka), (_, kb) in zip(a.trace, b.trace):
-            assert torch.equal(ka, kb.cpu())
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < TOL
         assert a.kept_ratio == pytest.approx(b.kept_ratio, abs=1e-12)
         assert a.bin_budgets == b.bin_budgets
         rec = recompute_logprobs(hf, a.prompt_ids, a.response_ids, a.trace, temperature=0)
@@ -150,12 +156,7 @@ def test_requests_compacted_in_one_batch_equal_native(model_dir, hf, policy):
     n = NativeEngine(hf, cfg, batch_size=8, trace=True).generate(prompts, greedy(72))
     assert [x[0] for x in v[0].trace][:1] == [50] and [x[0] for x in v[1].trace][:1] == [69]
     assert [x[0] for x in v[2].trace] == [x[0] for x in v[3].trace] != []
-    for a, b in zip(v, n):
-        assert a.response_ids == b.response_ids
-        assert [x[0] for x in a.trace] == [x[0] for x in b.trace]
-        for (_, ka), (_, kb) in zip(a.trace, b.trace):
-            assert torch.equal(ka, kb.cpu())
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < TOL
+    assert_same_as_native(v, n)
 
 
 def test_sampled_logprobs_are_those_of_the_kept_sets(model_dir, hf):
