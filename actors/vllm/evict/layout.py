@@ -10,10 +10,11 @@ offset of slot s of a request is ``block_ids[s // B] * stride(block dim) + base[
 
 Tokens then move a block at a time: every block's keys (and values) occupy one span of the
 cache's storage, the same span in every block, so a request's blocks are copied out with one
-``index_select`` of whole spans (``read``), rearranged to ``[Hkv, slots, D]`` by an index into
-that small copy (``keys``/``values``), and written back the same way (``write``). A span holding
-both keys and values is read and written once; separate spans are checked to hold none of the
-other's cells, since writing a span back rewrites every element in it.
+``index_select`` of whole spans (``read``), rearranged to and from ``[Hkv, slots, D]``
+(``unpack``/``pack``) through a strided view fitted to the probed offsets (an index per cell
+where no affine fit exists), and written back whole (``write``). A span holding both keys and
+values is read and written once; separate spans are checked to hold none of the other's cells,
+since writing a span back rewrites every element in it.
 
 Markers are small integers (coordinate + 1, keys positive, values negative), exact in bf16 and
 fp16 up to 256: head sizes above 255 and quantised (fp8) caches are refused.
