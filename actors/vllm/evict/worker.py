@@ -183,11 +183,7 @@ class Evictor:
         b, nl, bs = steps[0].length, len(self.layers), self.block_size
         held = torch.tensor([st.held for st in steps])
         s = int(held.max())
-        nblocks = -(-s // bs)
-        # every row's first nblocks blocks; a shorter row repeats its last block (read only:
-        # its slots lie beyond the row's length)
-        ids = [self.runner.requests[rid].block_ids[0] for rid, _, _ in group]
-        blocks = torch.tensor([(x + x[-1:] * nblocks)[:nblocks] for x in ids], dtype=torch.long)
+        blocks = self._blocks([rid for rid, _, _ in group], s)
         pos_all = torch.stack([torch.nn.functional.pad(st.positions(n, nl, self.hkv),
                                                        (0, s - n), value=-1)
                                for st, n in zip(states, held.tolist())])   # [R, L, Hkv, S]
@@ -237,6 +233,13 @@ class Evictor:
             if self.trace:
                 st.trace.append((step.t - 1, st.kept.clone()))
             self._cut_blocks(rid, -(-(b + new_tokens) // bs))
+
+    def _blocks(self, rids: list[str], slots: int) -> torch.Tensor:
+        """[R, NB] block ids holding slots [0, ``slots``) of each request; a shorter request
+        repeats its last block (read only: those slots lie beyond its length)."""
+        nb = -(-slots // self.block_size)
+        ids = [self.runner.requests[rid].block_ids[0] for rid in rids]
+        return torch.tensor([(x + x[-1:] * nb)[:nb] for x in ids], dtype=torch.long)
 
     def _cut_blocks(self, rid: str, keep: int) -> None:
         """The request keeps its first ``keep`` blocks (the scheduler freed the others)."""
@@ -311,12 +314,10 @@ class Evictor:
         + k - 1) to every cached slot's score, summed over the query heads of its KV group
         (causal); all requests of the step in one batch. ``items``: (rid, first query row, k,
         before) per request, ``q`` [tokens, Hq * D] the step's queries."""
-        kv, cmap, bs, dev = self.cache(i), self.maps[i], self.block_size, q.device
+        kv, cmap, dev = self.cache(i), self.maps[i], q.device
         n = [before + k for _, _, k, before in items]
         s, kmax, r = max(n), max(k for _, _, k, _ in items), len(items)
-        nblocks = -(-s // bs)
-        ids = [self.runner.requests[rid].block_ids[0] for rid, _, _, _ in items]
-        blocks = torch.tensor([(x + x[-1:] * nblocks)[:nblocks] for x in ids], dtype=torch.long)
+        blocks = self._blocks([rid for rid, _, _, _ in items], s)
         keys = cmap.unpack(cmap.read(kv, blocks), "k")[:, :, :s].float()   # [R, Hkv, S, D]
         rows = torch.stack([torch.arange(start, start + kmax) for _, start, _, _ in items])
         qs = q.index_select(0, rows.clamp(max=q.shape[0] - 1).reshape(-1).to(dev)).float()
