@@ -121,11 +121,6 @@ class TrainConfig:
         if ahead > 1 and self.run.mode != RunMode.async_:
             raise ConfigError("run.rollouts_ahead", ahead, "1 with run.mode=sync (rollouts ahead of "
                               "the learner need run.mode=async)")
-        # the adapter's forward shares the learner's full base parameters (learner/distill.py)
-        if self.rollout.distill_sparse.enabled and self.learner.zero_stage == 3:
-            raise ConfigError("learner.zero_stage", self.learner.zero_stage,
-                              "0, 1 or 2 with rollout.distill_sparse.enabled=true (ZeRO-3 "
-                              "partitions the base weights the adapter's forward reads)")
         if self.rollout.engine == EngineKind.vllm:  # vLLM sees only the actor's GPUs
             self.rollout.vllm.check_resources("rollout.vllm", self.cluster.rollout_gpus)
         if self.run.mode == RunMode.async_ and ahead > self.buffer.max_staleness:

@@ -19,12 +19,17 @@ PPO ratio is a true sparse-policy ratio.
 The adapter lives in a second HF model wrapped by peft whose base parameters *share storage* with
 the DeepSpeed engine's (re-tied before every use: no copy, always the current base weights, frozen
 here). So the adapter gets gradients only from this loss and the base weights only from the main
-loss, by construction. ZeRO-3 (partitioned parameters) is refused at config load.
+loss, by construction. Under ZeRO-3 the engine's parameters are partitioned: the adapter's step
+gathers the whole base for its duration (``deepspeed.zero.GatheredParameters``, read-only, every
+rank) and drops its references afterwards, so for that step each rank holds one full copy of the
+base weights (the model must fit one device unsharded; ZeRO-3 still shards the optimiser states,
+gradients and, between steps, the weights).
 """
 from __future__ import annotations
 
 import copy
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -91,11 +96,9 @@ def make_adapter(cfg, model_path: str, params: dict, learner_cfg, world_size: in
 
     if cfg is None or not cfg.enabled:
         return None
-    if int(learner_cfg.zero_stage) == 3:
-        raise ValueError("rollout.distill_sparse needs learner.zero_stage <= 2 (the adapter's "
-                         "forward shares the full base parameters)")
     return SparseAdapter(cfg, model_path, params, torch_dtype(learner_cfg.dtype),
-                         learner_cfg.grad_clip, world_size, learner_cfg.seed)
+                         learner_cfg.grad_clip, world_size, learner_cfg.seed,
+                         zero3=int(learner_cfg.zero_stage) == 3)
 
 
 class SparseAdapter:
@@ -103,13 +106,17 @@ class SparseAdapter:
     -> the training engine's parameter, same architecture as ``model_path``)."""
 
     def __init__(self, cfg, model_path: str, base: dict[str, torch.nn.Parameter],
-                 dtype: torch.dtype, grad_clip: float = 1.0, world_size: int = 1, seed: int = 0):
+                 dtype: torch.dtype, grad_clip: float = 1.0, world_size: int = 1, seed: int = 0,
+                 zero3: bool = False):
         from peft import get_peft_model
 
         _register()
         self.cfg, self.grad_clip, self.world_size = cfg, float(grad_clip), int(world_size)
+        self.zero3 = bool(zero3)
         device = next(iter(base.values())).device
-        model = load_model(model_path, dtype=dtype).to(device)
+        # built on the CPU and tied to the engine's parameters before it moves, so only the LoRA
+        # parameters ever take device memory (under ZeRO-3 the loaded base is never on the device)
+        model = load_model(model_path, dtype=dtype)
         # A's random init from ``seed`` alone (not the process's RNG stream, which it leaves
         # untouched): every data-parallel rank and a resumed run start from the same adapter
         with torch.random.fork_rng(devices=[]):
@@ -117,6 +124,8 @@ class SparseAdapter:
             self.model = get_peft_model(model, lora_config(cfg))
         self.model.base_model.model.set_attn_implementation(ATTN)
         self._base = base
+        self.tie()
+        self.model.to(device)
         self.tie()
         self.params = {lora.wire_name(n): p for n, p in self.model.named_parameters()
                        if p.requires_grad}
@@ -126,7 +135,8 @@ class SparseAdapter:
                                            weight_decay=0.0)
 
     def tie(self) -> None:
-        """Point the peft model's frozen base parameters at the engine's current ones."""
+        """Point the peft model's frozen base parameters at the engine's current ones (under
+        ZeRO-3 outside ``_full_base``: the empty stubs of partitioned parameters)."""
         for name, p in self.model.named_parameters():
             if p.requires_grad:
                 continue
@@ -134,6 +144,24 @@ class SparseAdapter:
             if hf not in self._base:
                 raise KeyError(f"distill adapter: no base parameter {hf!r} for {name!r}")
             p.data = self._base[hf].data
+
+    @contextmanager
+    def _full_base(self):
+        """The adapter's model over the full base weights for the duration. ZeRO-3: a collective
+        (every rank enters) that gathers every base parameter, read-only; on the way out the
+        model is tied to the partitioned stubs again, so no reference keeps the gathered copies."""
+        if not self.zero3:
+            self.tie()
+            yield
+            return
+        import deepspeed
+
+        try:
+            with deepspeed.zero.GatheredParameters(list(self._base.values()), modifier_rank=None):
+                self.tie()
+                yield
+        finally:
+            self.tie()
 
     # ---- the weights on the wire --------------------------------------------------------------
     def spec(self) -> list:
@@ -164,34 +192,21 @@ class SparseAdapter:
         recorded ones plus ``kl_coef`` x k3 KL to the dense old log-probs, token mean over the
         mini-batch's response tokens (all ranks). Returns distill/* metrics (token-weighted
         means over this rank's rows)."""
-        from correction import policy_loss
-
         t0 = time.time()
         if "kv_evictions" not in tensors:
             raise ValueError("distill_sparse: the batch has no kv_evictions (rows from a rollout "
                              "without rollout.distill_sparse.enabled)")
         cc = self._loss_config(correction_cfg)
-        self.tie()
         resp = tensors["response_mask"] > 0
-        mini = tensors["mini_batch"]
         parts, norms = [], []
-        for m in range(int(mini_batches)):
-            rows = (mini == m).nonzero().squeeze(1)
-            total = self._global_sum(float(resp[rows].sum()))
-            if total <= 0:
-                continue
-            self.optimizer.zero_grad(set_to_none=True)
-            for chunk in rows.split(int(micro_batch_size)) if rows.numel() else ():
-                t = max(2, int(tensors["attention_mask"][chunk].sum(1).max()))
-                new = self.sparse_logprobs(tensors, chunk, t, temperature)
-                keep = resp[chunk, :t].to(new.device)
-                cut = lambda k: tensors[k][chunk, :t].to(new.device).float()  # noqa: E731
-                loss, lm = policy_loss(new, cut("sampler_logprobs"), tensors["advantages"][chunk]
-                                       .to(new.device), torch.ones_like(new), keep, cc,
-                                       ref_logp=cut("old_logprobs"), denominator=total)
-                loss.backward()
-                parts.append((float(keep.sum()), _chunk_means(lm, total, float(keep.sum()))))
-            norms.append(self._step())
+        with self._full_base():
+            for m in range(int(mini_batches)):
+                rows = (tensors["mini_batch"] == m).nonzero().squeeze(1)
+                total = self._global_sum(float(resp[rows].sum()))
+                if total > 0:
+                    parts += self._backward(tensors, rows, resp, total, cc, temperature,
+                                            micro_batch_size)
+                    norms.append(self._step())
         from learner.batch import combine_weighted
 
         out = combine_weighted(parts)
@@ -199,6 +214,27 @@ class SparseAdapter:
         out["distill/optimizer_steps"] = float(len(norms))
         out["time/distill_s"] = time.time() - t0
         return out
+
+    def _backward(self, tensors: dict, rows, resp, total: float, cc, temperature: float,
+                  micro_batch_size: int) -> list:
+        """The adapter's gradients (zeroed first) of one mini-batch's loss on ``rows``, a share
+        of the mean over its ``total`` response tokens on every rank; [(tokens, metrics)] per
+        micro-batch."""
+        from correction import policy_loss
+
+        self.optimizer.zero_grad(set_to_none=True)
+        parts = []
+        for chunk in rows.split(int(micro_batch_size)) if rows.numel() else ():
+            t = max(2, int(tensors["attention_mask"][chunk].sum(1).max()))
+            new = self.sparse_logprobs(tensors, chunk, t, temperature)
+            keep = resp[chunk, :t].to(new.device)
+            cut = lambda k: tensors[k][chunk, :t].to(new.device).float()  # noqa: E731
+            loss, lm = policy_loss(new, cut("sampler_logprobs"), tensors["advantages"][chunk]
+                                   .to(new.device), torch.ones_like(new), keep, cc,
+                                   ref_logp=cut("old_logprobs"), denominator=total)
+            loss.backward()
+            parts.append((float(keep.sum()), _chunk_means(lm, total, float(keep.sum()))))
+        return parts
 
     def _loss_config(self, correction_cfg):
         """The main loss's clipping and ratio clamp, with the adapter's KL (k3, ``kl_coef``) and

@@ -116,6 +116,9 @@ class Learner:
 
         if not cfg.cpu_shm_comm:
             _disable_shm_comm()
+        # ZeRO-3's partitioned load (zero.Init, below) reads the world size from DeepSpeed's comm
+        # layer: wrap the group made above first, or a fresh process loads for a world of 1
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
         torch.manual_seed(cfg.seed)
         t0 = time.time()
         self._zero3 = int(cfg.zero_stage) == 3
@@ -452,5 +455,15 @@ class Learner:
             self._sender.send(self.named_weights() + (self.distill.named() if self.distill else []),
                               self.version)
             return self.version
-        self._sender.send_streamed(self._full, self.version)
+        adapter = dict(self.distill.named()) if self.distill else {}  # replicated: no gather
+
+        @contextmanager
+        def fetch(name: str):
+            if name in adapter:
+                yield adapter[name]
+            else:
+                with self._full(name) as t:
+                    yield t
+
+        self._sender.send_streamed(fetch, self.version)
         return self.version
