@@ -44,7 +44,7 @@ from actors.engine import GenerationOutput, SamplingParams
 from actors.vllm import kv as kvmod
 from actors.vllm.env import setup_env
 from actors.vllm.evict.rule import DENSE_PREFIX, BudgetTable
-from actors.vllm.weights import Ledger, hf_skeleton, spec_of, validate
+from actors.vllm.weights import Ledger, hf_skeleton, refresh_tied_head, spec_of, validate
 from common.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -319,6 +319,7 @@ class VLLMEngine:
             self.llm.collective_rpc("reload_weights",
                                     kwargs={"weights_iterator": iter(items),
                                             "is_checkpoint_format": True})
+            self.llm.collective_rpc(refresh_tied_head)   # else a tied head keeps the old weights
         except BaseException as exc:
             self._broken = (f"vllm engine: weight reload failed ({exc!r}); its parameters may be "
                             f"on the meta device: rebuild the engine")

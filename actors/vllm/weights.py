@@ -70,6 +70,24 @@ def validate(named: Iterable[tuple[str, torch.Tensor]], spec: dict) -> list[tupl
     return items
 
 
+def refresh_tied_head(worker) -> bool:
+    """After an in-place reload, rebuild the kernel of a ``lm_head`` tied to the embedding (runs
+    in each vLLM worker, through ``collective_rpc``). True when the model has one.
+
+    vLLM 0.32's layerwise reload loads the shared tensor under the embedding's name, so the tied
+    head gets no tensor of its own (its layer is logged as a failed load) and is never processed
+    again; on CPU its GEMM keeps the copy of the *old* weights that ``process_weights_after_loading``
+    prepacked at start-up, and the sampler's log-probs drift off the learner's policy from the
+    first broadcast on (tests/test_vllm_engine.py). Re-running that step on the head (a no-op on
+    GPUs, whose GEMM reads ``weight`` directly) makes them equal again."""
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    if head is None or not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return False
+    head.quant_method.process_weights_after_loading(head)
+    return True
+
+
 class Ledger:
     """Per-tensor ``|w|.sum()`` of the weights the engine holds (HF names, engine dtype)."""
 
