@@ -211,8 +211,9 @@ class DistillSparseConfig:
     """DistillSparse (Sparrow, Zhou et al. 2026; issue 14): a LoRA adapter used only by the sparse
     sampler. The learner trains it on the sparse rollouts (PPO loss on the sparse log-probs,
     recomputed under each sample's recorded kept sets, plus ``kl_coef`` x k3 KL(sparse || dense)),
-    the broadcast carries it, and rollout actors merge it into their sampler's weights; the
-    scorer, the learner's main loss and dense evaluation never use it (``learner/distill.py``)."""
+    the broadcast carries it, and rollout actors apply it in their sampler only
+    (``actors/sampler_adapter.py``); the scorer, the learner's main loss and dense evaluation
+    never use it (``learner/distill.py``)."""
     enabled: bool = False          # train and sample with the sparse sampler's LoRA adapter
     rank: int = 8                  # LoRA rank r
     alpha: float = 16.0            # LoRA alpha: the update is (alpha / r) * B @ A
@@ -331,20 +332,27 @@ class RolloutConfig:
 
 
     def _validate_distill(self, prefix: str, engine: EngineKind) -> None:
-        """The adapter needs the native engine (it records the kept sets the learner recomputes
-        the sparse log-probs under) and a compressing policy (a dense sampler has nothing to
-        distil: its log-probs are the dense ones)."""
+        """The adapter needs a compressing policy (a dense sampler has nothing to distil: its
+        log-probs are the dense ones) whose kept sets the engine records (the learner recomputes
+        the sparse log-probs under them): any on the native engine; on vLLM the score-based
+        ones (its sliding window records none), with a LoRA rank vLLM allows."""
         d = self.distill_sparse
         d.validate(f"{prefix}.distill_sparse")
         if not d.enabled:
             return
-        if engine != EngineKind.native:
-            raise ConfigError(f"{prefix}.distill_sparse.enabled", True,
-                              f"false with {prefix}.engine={engine.value} (DistillSparse needs "
-                              "the native engine's kept sets)")
-        if KVPolicy(self.kv.policy) == KVPolicy.dense:
+        policy = KVPolicy(self.kv.policy)
+        if policy == KVPolicy.dense:
             raise ConfigError(f"{prefix}.distill_sparse.enabled", True,
                               f"false with {prefix}.kv.policy=dense (no sparse sampler to adapt)")
+        if engine == EngineKind.vllm:
+            from actors.vllm.kv import lora_slots  # imports no vLLM
+
+            if policy == KVPolicy.streaming:
+                raise ConfigError(f"{prefix}.distill_sparse.enabled", True,
+                                  f"false with {prefix}.engine=vllm and {prefix}.kv.policy="
+                                  "streaming (vLLM's sliding window records no kept sets; "
+                                  "h2o, snapkv and rkv do)")
+            lora_slots(d.rank, f"{prefix}.distill_sparse.rank")
 
 
 @dataclass

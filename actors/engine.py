@@ -57,6 +57,8 @@ class Engine(Protocol):
 
     def state_checksum(self) -> float: ...
 
+    def weight_sums(self) -> dict[str, float]: ...   # sum(|w|) per HF name (checksum's terms)
+
 
 def make_engine(cfg, model_path: str | None = None) -> Engine:
     """Build the engine named by ``cfg.engine`` (a ``RolloutConfig``) for the model at model_path."""

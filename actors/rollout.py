@@ -282,7 +282,6 @@ class RolloutActor(ReceivesWeights):
         """Checksum of what the broadcast carries: the base weights (and the adapter)."""
         if self.adapter is None:
             return self.engine.state_checksum()
-        from common.modeling import checksum
+        from common.modeling import checksum_of_sums
 
-        return checksum(list(self.engine.model.named_parameters())
-                        + list(self.adapter.tensors.items()))
+        return checksum_of_sums({**self.engine.weight_sums(), **self.adapter.abs_sums()})

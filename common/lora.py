@@ -65,6 +65,32 @@ def read_adapter(path) -> dict[str, torch.Tensor]:
     return out
 
 
+def write_adapter(path, tensors: dict[str, torch.Tensor], cfg):
+    """Write wire-named adapter ``tensors`` as a peft ``save_pretrained`` folder at ``path``
+    (``adapter_config.json`` + ``adapter_model.safetensors``; ``read_adapter`` reads it back,
+    ``PeftModel.from_pretrained`` and vLLM's ``LoRARequest`` load it). Returns the folder."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for name, t in tensors.items():
+        if not is_adapter(name):
+            raise ValueError(f"write_adapter: {name!r} is not an adapter tensor")
+        module, which = name.removeprefix(PREFIX).rsplit(".", 1)
+        state[f"base_model.model.{module}.{which}.weight"] = t.detach().to("cpu", WIRE_DTYPE) \
+            .contiguous()
+    save_file(state, str(out / "adapter_model.safetensors"))
+    conf = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(cfg.rank),
+            "lora_alpha": float(cfg.alpha), "target_modules": sorted(cfg.target_modules),
+            "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False}
+    (out / "adapter_config.json").write_text(json.dumps(conf, indent=1))
+    return out
+
+
 def scale(cfg) -> float:
     return float(cfg.alpha) / float(cfg.rank)
 

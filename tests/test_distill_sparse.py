@@ -73,16 +73,22 @@ def test_config_errors_name_the_key(kw, key):
     assert e.value.key == key
 
 
-def test_config_refuses_a_dense_sampler_and_vllm_and_takes_zero3():
+def test_config_refuses_a_dense_sampler_and_vllms_window_and_takes_zero3():
     from launch.config import load_config
 
     with pytest.raises(ConfigError) as e:  # nothing sparse to adapt
         RolloutConfig(distill_sparse=DistillSparseConfig(enabled=True)).validate()
     assert e.value.key == "rollout.distill_sparse.enabled"
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError) as e:   # vLLM's window records no kept sets
         RolloutConfig(engine="vllm", kv=KVConfig(policy="streaming", budget=64),
                       distill_sparse=DistillSparseConfig(enabled=True)).validate()
     assert e.value.key == "rollout.distill_sparse.enabled"
+    with pytest.raises(ConfigError) as e:   # past vLLM's largest LoRA rank
+        RolloutConfig(engine="vllm", kv=KVConfig(**KV),
+                      distill_sparse=DistillSparseConfig(enabled=True, rank=600)).validate()
+    assert e.value.key == "rollout.distill_sparse.rank"
+    RolloutConfig(engine="vllm", kv=KVConfig(**KV),
+                  distill_sparse=DistillSparseConfig(enabled=True)).validate()
     on = ["rollout.kv.policy=rkv", "rollout.distill_sparse.enabled=true"]
     assert load_config(on).rollout.distill_sparse.kl_coef == 0.001   # Sparrow's lambda
     assert load_config(on + ["learner.zero_stage=3"]).learner.zero_stage == 3  # gathers per step

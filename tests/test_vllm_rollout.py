@@ -131,16 +131,21 @@ class _Out:
 @needs_hook
 @pytest.mark.slow
 @pytest.mark.skipif(not (ROOT / "launch" / "train.py").is_file(), reason="no launch/train.py")
-@pytest.mark.parametrize("policy", ["streaming", "rkv"])
+@pytest.mark.parametrize("policy", ["streaming", "rkv", "rkv-distill"])
 def test_train_few_steps_with_vllm(tmp_path, policy):
-    """Two RL steps with vLLM rollouts on the tiny model, in a subprocess: sliding window, and
-    R-KV eviction in async mode with the staleness split."""
+    """Two RL steps with vLLM rollouts on the tiny model, in a subprocess: sliding window, R-KV
+    eviction in async mode with the staleness split, and R-KV with a DistillSparse adapter (vLLM's
+    LoRA): the adapter trains, and after every broadcast the actors' checksum (base + adapter)
+    is the learner's."""
     model = build_model(tmp_path / "model", **{**VLLM_CPU, "hidden_size": 128,
                                                 "num_attention_heads": 4, "num_key_value_heads": 2})
-    kv = (["rollout.kv.policy=streaming", "rollout.kv.budget=32", "rollout.kv.sink_tokens=0"]
-          if policy == "streaming" else
-          ["--config", "launch/configs/async.yaml", "rollout.kv.policy=rkv",
-           "rollout.kv.budget=12", "rollout.kv.compress_every=4", "rollout.kv.obs_window=2"])
+    rkv = ["rollout.kv.policy=rkv", "rollout.kv.budget=12", "rollout.kv.compress_every=4",
+           "rollout.kv.obs_window=2"]
+    kv = {"streaming": ["rollout.kv.policy=streaming", "rollout.kv.budget=32",
+                        "rollout.kv.sink_tokens=0"],
+          "rkv": ["--config", "launch/configs/async.yaml", *rkv],
+          "rkv-distill": [*rkv, "rollout.distill_sparse.enabled=true",
+                          "rollout.distill_sparse.lr=0.01"]}[policy]
     args = [sys.executable, str(ROOT / "launch" / "train.py"), "rollout.engine=vllm",
             f"rollout.model_path={model}", *kv, "rollout.samples_per_prompt=2",
             "rollout.max_new_tokens=16", "run.steps=2", "run.prompts_per_step=2",
@@ -150,3 +155,11 @@ def test_train_few_steps_with_vllm(tmp_path, policy):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(next((tmp_path / "runs").glob("vllm-e2e-*/summary.json")).read_text())
     assert summary["steps"] == 2 and summary["version"] >= 2
+    if policy == "rkv-distill":
+        run = next((tmp_path / "runs").glob("vllm-e2e-*"))
+        records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        syncs = [r for r in records if "weights/checksum" in r]
+        assert len(syncs) == 3 and all(r["weights/max_rel_diff"] == 0.0 for r in syncs)
+        assert [r["distill/optimizer_steps"] for r in records
+                if "distill/optimizer_steps" in r] == [1.0, 1.0]
+        assert (run / "final" / "distill_sparse" / "adapter_model.safetensors").is_file()

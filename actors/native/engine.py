@@ -94,9 +94,14 @@ class NativeEngine:
         self.version = version
 
     def state_checksum(self) -> float:
-        from common.modeling import checksum
+        from common.modeling import checksum_of_sums
 
-        return checksum(self.model.named_parameters())
+        return checksum_of_sums(self.weight_sums())
+
+    def weight_sums(self) -> dict[str, float]:
+        from common.modeling import abs_sum
+
+        return {n: abs_sum(p) for n, p in self.model.named_parameters()}
 
     # ---- budget schedule -------------------------------------------------------------------------
     def set_budgets(self, budgets: list[int]) -> None:

@@ -48,6 +48,7 @@ from actors.vllm.weights import Ledger, hf_skeleton, refresh_tied_head, spec_of,
 from common.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ADAPTER, ADAPTER_ID = "distill_sparse", 1     # the one LoRA adapter an engine serves
 
 
 class VLLMEngine:
@@ -57,7 +58,7 @@ class VLLMEngine:
                  enforce_eager: bool | None = None,
                  block_size: int | None = None, gpu_memory_utilization: float = 0.9,
                  tensor_parallel_size: int = 1, trace: bool = False,
-                 scoring_copy: bool = False):
+                 scoring_copy: bool = False, lora_rank: int = 0):
         setup_env()
         self.model_path = str(model_path)
         self.kv = kv or KVConfig()
@@ -90,6 +91,8 @@ class VLLMEngine:
             torch.set_num_threads(int(threads))   # before vLLM freezes the thread count
         self.gpu_memory_utilization = float(gpu_memory_utilization)
         self.tensor_parallel_size = int(tensor_parallel_size)
+        self.lora_rank = kvmod.lora_slots(lora_rank) if lora_rank else 0   # 0: no LoRA
+        self._lora, self._lora_dir = None, None
         self.llm = self._start(kv_cache_bytes, max_model_len, seed, enforce_eager, block_size)
         self.eviction = None
         if self.evicting:
@@ -109,6 +112,8 @@ class VLLMEngine:
                   gpu_memory_utilization=v.gpu_memory_utilization,
                   tensor_parallel_size=v.tensor_parallel_size,
                   scoring_copy=bool(cfg.dense_logprobs))
+        if cfg.distill_sparse.enabled:   # the sampler's adapter, and the kept sets it trains under
+            kw.update(lora_rank=int(cfg.distill_sparse.rank), trace=True)
         if "max_model_len" not in overrides:
             from transformers import AutoConfig
 
@@ -180,6 +185,8 @@ class VLLMEngine:
                 kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
         if block_size:
             kwargs["block_size"] = int(block_size)
+        if self.lora_rank:
+            kwargs.update(enable_lora=True, max_lora_rank=self.lora_rank, max_loras=1)
         return LLM(**kwargs)
 
     def _check_max_model_len(self, max_model_len: int | None) -> int:
@@ -228,11 +235,15 @@ class VLLMEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 dense: bool = False) -> list[GenerationOutput]:
+                 dense: bool = False, adapter: bool = False) -> list[GenerationOutput]:
         """``dense=True``: these requests are never compacted (evaluation of the model itself on
-        an evicting engine, ``dense_view``); other policies ignore it (dense or windowed)."""
+        an evicting engine, ``dense_view``); other policies ignore it (dense or windowed).
+        ``adapter=True``: sampled with the LoRA adapter of ``set_adapter`` (``adapter_view``)."""
         if self._broken:
             raise RuntimeError(self._broken)
+        if adapter and self._lora is None:
+            raise RuntimeError("vllm engine: generate(adapter=True) before set_adapter")
+        lora_request = self._lora if adapter else None
         if any(len(p) == 0 for p in prompts):
             raise ValueError("vllm engine: empty prompt (every prompt needs at least one token)")
         engine = self.llm.llm_engine
@@ -246,7 +257,7 @@ class VLLMEngine:
             for i, p in enumerate(prompts):
                 ext = f"{DENSE_PREFIX if dense and self.evicting else ''}c{call}-r{i}"
                 rid = engine.add_request(ext, {"prompt_token_ids": [int(t) for t in p]},
-                                         self._sampling(params, i))
+                                         self._sampling(params, i), lora_request=lora_request)
                 index[ext] = index[rid] = i
                 internal.append(rid)
             while engine.has_unfinished_requests():
@@ -337,6 +348,46 @@ class VLLMEngine:
         parameters are fused/repacked and cannot be read back as HF tensors), each tensor's
         share computed on the device it arrived on."""
         return self._ledger.checksum()
+
+    def weight_sums(self) -> dict[str, float]:
+        return dict(self._ledger.sums)
+
+    # ---- the sparse sampler's LoRA adapter (DistillSparse) ----------------------------------------
+    def set_adapter(self, tensors: dict[str, torch.Tensor], cfg) -> None:
+        """Serve ``tensors`` (``common.lora`` wire names; ``cfg``: ``DistillSparseConfig``) as
+        the LoRA adapter of ``adapter_view`` requests: written as a peft folder and loaded in
+        place under one adapter id (vLLM applies ``scale * B @ A`` beside each base layer, so the
+        base weights, dense requests and ``dense_view`` never see it)."""
+        from vllm.lora.request import LoRARequest
+
+        from common import lora
+
+        if not self.lora_rank:
+            raise RuntimeError("vllm engine: set_adapter needs an engine built with lora_rank > 0")
+        if int(cfg.rank) > self.lora_rank:
+            raise ValueError(f"vllm engine: adapter rank {cfg.rank} > the engine's {self.lora_rank}")
+        if self._lora_dir is None:
+            import tempfile
+
+            self._lora_dir = tempfile.TemporaryDirectory(prefix="sparse-rl-lora-")
+        path = lora.write_adapter(self._lora_dir.name, tensors, cfg)
+        self.llm.llm_engine.add_lora(LoRARequest(ADAPTER, ADAPTER_ID, str(path), load_inplace=True))
+        self._lora = LoRARequest(ADAPTER, ADAPTER_ID, str(path))
+
+    def adapter_view(self) -> "AdapterView":
+        """This engine sampling with the adapter (``set_adapter``): the DistillSparse sampler."""
+        return AdapterView(self)
+
+
+class AdapterView:
+    """``generate`` of a vLLM engine with its LoRA adapter on every request (``set_adapter``)."""
+
+    def __init__(self, engine: VLLMEngine):
+        self.engine = engine
+        self.policy = engine.policy
+
+    def generate(self, prompts, params: SamplingParams) -> list[GenerationOutput]:
+        return self.engine.generate(prompts, params, adapter=True)
 
 
 class DenseView:
