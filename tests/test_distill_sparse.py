@@ -319,6 +319,31 @@ def test_train_py_with_distill_sparse_trains_the_adapter_and_resumes(tiny_model,
     assert any(not torch.equal(again[k], adapter[k]) for k in adapter)
 
 
+def test_written_adapter_is_what_peft_and_read_adapter_load(model_dir, tmp_path):
+    """``lora.write_adapter`` (the folder the vLLM engine hands to its LoRA) is a peft folder: peft
+    loads it as the sampler ``lora.merge`` builds, ``read_adapter`` gives the tensors back."""
+    from peft import PeftModel
+
+    cfg = DistillSparseConfig(enabled=True)
+    base = load_model(model_dir)
+    g = torch.Generator().manual_seed(0)
+    tensors = {n: 0.2 * torch.randn(shape, generator=g)
+               for n, shape, _ in lora.adapter_spec(base, cfg)}
+    path = lora.write_adapter(tmp_path / "a", tensors, cfg)
+    back = lora.read_adapter(path)
+    assert set(back) == set(tensors) and all(torch.equal(back[n], tensors[n]) for n in tensors)
+    merged = load_model(model_dir)
+    lora.merge(merged, base, tensors, cfg)
+    peft = PeftModel.from_pretrained(load_model(model_dir), str(path))
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(token_logprobs(peft, ids, torch.ones_like(ids)),
+                                   token_logprobs(merged, ids, torch.ones_like(ids)),
+                                   rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="not an adapter tensor"):
+        lora.write_adapter(tmp_path / "b", {"model.norm.weight": torch.ones(3)}, cfg)
+
+
 def test_bench_trains_an_adapter_and_measures_exact_agreement(model_dir, tmp_path):
     """bench/distill.py's functions (bench/schedule.py's DistillSparse rows): a zero adapter
     measures as the base sampler; a trained one is read back from a peft folder unchanged."""
