@@ -194,8 +194,6 @@ def _nccl_worker(rank: int, port: int, path: str, q) -> None:
         q.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", None))
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2,
-                    reason="NCCL needs one GPU per rank: 2 GPUs")
 @pytest.mark.parametrize("policy", ["h2o", "snapkv", "rkv"])
 def test_vllm_eviction_on_cuda_equals_native(tmp_path, policy):
     pytest.importorskip("vllm")
@@ -220,6 +218,38 @@ def test_vllm_eviction_on_cuda_equals_native(tmp_path, policy):
         assert (rec - torch.tensor(a.logprobs)).abs().max().item() < 1e-3
 
 
+def test_vllm_distill_sparse_lora_on_cuda_equals_native_merged(tmp_path):
+    """DistillSparse on vLLM (its LoRA beside the base layers, SnapKV eviction) samples what the
+    native engine samples over the adapter merged into the weights; dense requests stay base."""
+    pytest.importorskip("vllm")
+    from actors.config import DistillSparseConfig
+    from actors.native import NativeEngine
+    from actors.vllm import VLLMEngine
+    from common import lora
+
+    path = build_model(tmp_path / "m", seed=0, **VLLM_CPU)
+    cfg = KVConfig(policy="snapkv", budget=40, compress_every=24, obs_window=4)
+    d = DistillSparseConfig(enabled=True)
+    eng = VLLMEngine(path, cfg, batch_size=8, dtype="float32", kv_cache_bytes=64 << 20,
+                     gpu_memory_utilization=0.3, trace=True, lora_rank=d.rank)
+    base = load_model(path).to("cuda")
+    g = torch.Generator().manual_seed(0)
+    adapter = {n: 0.2 * torch.randn(shape, generator=g)
+               for n, shape, _ in lora.adapter_spec(base, d)}
+    eng.set_adapter(adapter, d)
+    merged = load_model(path).to("cuda")
+    lora.merge(merged, base, {n: t.cuda() for n, t in adapter.items()}, d)
+    prompts = [[1, 40, 41, 42, 43], [1] + list(range(70, 120)), [1, 50]]
+    params = SamplingParams(max_new_tokens=64, temperature=0.0)
+    for v, n in ((eng.adapter_view(), NativeEngine(merged, cfg, batch_size=8, trace=True)),
+                 (eng.dense_view(), NativeEngine(base, KVConfig(), batch_size=8))):
+        for a, b in zip(v.generate(prompts, params), n.generate(prompts, params)):
+            assert a.response_ids == b.response_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="NCCL needs one GPU per rank: 2 GPUs")
 def test_nccl_weight_broadcast_between_two_gpus(tiny):
     from cluster.weight_sync import free_port
 
