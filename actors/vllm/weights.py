@@ -78,8 +78,13 @@ def refresh_tied_head(worker) -> bool:
     head gets no tensor of its own (its layer is logged as a failed load) and is never processed
     again; on CPU its GEMM keeps the copy of the *old* weights that ``process_weights_after_loading``
     prepacked at start-up, and the sampler's log-probs drift off the learner's policy from the
-    first broadcast on (tests/test_vllm_engine.py). Re-running that step on the head (a no-op on
-    GPUs, whose GEMM reads ``weight`` directly) makes them equal again."""
+    first broadcast on (tests/test_vllm_engine.py). Re-running that step on the head makes them
+    equal again. CPU only: a GPU GEMM reads ``weight`` itself, and re-processing a quantized head
+    there would convert it twice."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
     model = worker.model_runner.get_model()
     head = getattr(model, "lm_head", None)
     if head is None or not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
