@@ -37,6 +37,11 @@ class KVObjective(str, enum.Enum):
     memory = "memory"   # fewest KV slots held per generated token
 
 
+class DistillDivergence(str, enum.Enum):
+    k3 = "k3"   # Sparrow: k3 estimate of KL(sparse || dense old) on the sampled tokens
+    tv = "tv"   # exact total variation to the current dense base over the vocabulary (1 - alpha)
+
+
 class LogprobMode(str, enum.Enum):
     processed = "processed"   # log-prob of the distribution sampled from (after top-k / top-p)
     raw = "raw"               # log_softmax(logits / temperature), no truncation
@@ -221,7 +226,12 @@ class DistillSparseConfig:
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj",
                                                                "o_proj"])
     lr: float = 1e-4               # AdamW learning rate of the adapter (its own optimiser)
-    kl_coef: float = 0.001         # lambda of the k3 KL(sparse || dense) term (Sparrow: 0.001)
+    kl_coef: float = 0.001         # lambda of the divergence term (Sparrow: 0.001, with k3)
+    # the divergence to dense that kl_coef weighs (DistillDivergence): k3 (Sparrow) or tv
+    divergence: DistillDivergence = DistillDivergence.k3
+
+    def __post_init__(self) -> None:
+        _coerce(self, "rollout.distill_sparse", {"divergence": DistillDivergence})
 
     def validate(self, prefix: str = "rollout.distill_sparse") -> None:
         check_range(f"{prefix}.rank", self.rank, lo=1, hi=4096)

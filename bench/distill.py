@@ -101,6 +101,7 @@ def train_adapter(cfg: RolloutConfig, problems, steps: int, prompts_per_step: in
         history.append(m)
         if log:
             log(f"  adapter step {step + 1}: kl_dense={m.get('distill/kl_dense', 0):.4f} "
+                f"tv_dense={m.get('distill/tv_dense', 0):.4f} "
                 f"pg={m.get('distill/pg', 0):+.4f} reward={m['reward']:.3f}")
     return dict(adapter.named()), history
 
@@ -149,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--kl-coef", type=float, default=0.001)
+    ap.add_argument("--divergence", default="k3", choices=["k3", "tv"],
+                    help="the divergence term kl-coef weighs (rollout.distill_sparse.divergence)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -158,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     task = tasks.make_task(TaskConfig())
     train, held = task.problems("train"), task.problems("heldout")[:a.heldout]
     cfg = rollout_config(a.model, a.budget, a.policy, distill=DistillSparseConfig(
-        rank=a.rank, lr=a.lr, kl_coef=a.kl_coef))
+        rank=a.rank, lr=a.lr, kl_coef=a.kl_coef, divergence=a.divergence))
     t0 = time.time()
     before = agreement(cfg, held)
     adapter, history = train_adapter(cfg, train, a.steps, a.prompts_per_step)

@@ -161,6 +161,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--distill-budget", type=int, default=32, help="budget it trains at")
     ap.add_argument("--distill-kl-coef", type=float, default=0.001)
     ap.add_argument("--distill-lr", type=float, default=1e-3)
+    ap.add_argument("--distill-divergence", default="k3", choices=["k3", "tv"],
+                    help="the adapter's divergence term (rollout.distill_sparse.divergence)")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
@@ -251,7 +253,8 @@ def distill_sampler(model, a, task):
     elif a.distill_steps:
         from bench.distill import rollout_config, train_adapter
 
-        lcfg = DistillSparseConfig(lr=a.distill_lr, kl_coef=a.distill_kl_coef)
+        lcfg = DistillSparseConfig(lr=a.distill_lr, kl_coef=a.distill_kl_coef,
+                                   divergence=a.distill_divergence)
         cfg = rollout_config(a.model, a.distill_budget, distill=lcfg)
         t0 = time.time()
         tensors, _ = train_adapter(cfg, task.problems("train"), a.distill_steps, log=None)

@@ -61,11 +61,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     ``decoder_kwargs`` go to the decoder's forward (transformers hands them to the attention
     function: the sparse sampler's kept sets, ``learner/distill.py``).
     """
-    # position_ids from the mask so left or right padding gives the same positions as generation.
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                 position_ids=position_ids,
-                                 **(decoder_kwargs or {})).last_hidden_state
+    hidden = decoder_states(model, input_ids, attention_mask, decoder_kwargs)
     want = attention_mask if response_mask is None else response_mask
     sel = want[:, 1:] > 0                                  # token t is predicted at t - 1
     h, targets = hidden[:, :-1][sel], input_ids[:, 1:][sel]
@@ -94,6 +90,17 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
     logp = place(lps)
     return (logp, place(ents)) if with_entropy else logp
+
+
+def decoder_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   decoder_kwargs: dict | None = None) -> torch.Tensor:
+    """The decoder's last hidden states [B, T, hidden] (before the LM head), ``token_logprobs``'s
+    first step; ``decoder_kwargs`` go to the decoder's forward."""
+    # position_ids from the mask so left or right padding gives the same positions as generation.
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids,
+                               **(decoder_kwargs or {})).last_hidden_state
 
 
 def _chunk_logprobs(head, h: torch.Tensor, targets: torch.Tensor, temperature: float,

@@ -14,7 +14,8 @@ the rollout records where each key was evicted (``actors.native.reference.evicti
 ``kv_evictions``) and the adapter's forward attends only to what the sampler saw at each step,
 per layer and KV head (the ``sparse_kept_sets`` attention function below). In float32 with a zero
 adapter this reproduces the sampler's log-probs exactly (tests/test_distill_sparse.py), so the
-PPO ratio is a true sparse-policy ratio.
+PPO ratio is a true sparse-policy ratio. ``divergence=tv`` swaps the k3 term for the exact total
+variation to the current dense base over the vocabulary, 1 - alpha_t (``SparseAdapter.tv_sum``).
 
 The adapter lives in a second HF model wrapped by peft whose base parameters *share storage* with
 the DeepSpeed engine's (re-tied before every use: no copy, always the current base weights, frozen
@@ -35,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from actors.config import DistillDivergence
 from common import lora
 from common.modeling import abs_sum, load_model, token_logprobs
 
@@ -61,6 +63,16 @@ def kept_sets_attention(module, query, key, value, attention_mask, scaling, drop
                                          value.repeat_interleave(g, dim=1), attn_mask=vis,
                                          scale=scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _tv_chunk(head, h_sparse: torch.Tensor, h_dense: torch.Tensor, temperature: float):
+    """sum of 1 - alpha over one chunk of positions (``SparseAdapter.tv_sum``)."""
+    from correction.metrics import tv_agreement
+
+    z_s = head(h_sparse).float() / temperature
+    with torch.no_grad():
+        z_d = head(h_dense).float() / temperature
+    return (1.0 - tv_agreement(F.log_softmax(z_s, -1), F.log_softmax(z_d, -1))).sum()
 
 
 def _register() -> None:
@@ -232,17 +244,53 @@ class SparseAdapter:
             loss, lm = policy_loss(new, cut("sampler_logprobs"), tensors["advantages"][chunk]
                                    .to(new.device), torch.ones_like(new), keep, cc,
                                    ref_logp=cut("old_logprobs"), denominator=total)
+            means = _chunk_means(lm, total, float(keep.sum()))
+            if self.cfg.divergence == DistillDivergence.tv:
+                tv = self.tv_sum(tensors, chunk, t, temperature)
+                loss = loss + float(self.cfg.kl_coef) * tv / total
+                means["distill/tv_dense"] = float(tv) / max(float(keep.sum()), 1.0)
             loss.backward()
-            parts.append((float(keep.sum()), _chunk_means(lm, total, float(keep.sum()))))
+            parts.append((float(keep.sum()), means))
         return parts
 
+    def tv_sum(self, tensors: dict, rows, t: int, temperature: float) -> torch.Tensor:
+        """sum over the response tokens of ``rows`` of TV(sparse, dense) = 1 - alpha_t, the exact
+        disagreement the schedule's probes measure (``correction.metrics.tv_agreement``), between
+        the sparse sampler (base + adapter under the kept sets; gradients reach the adapter) and
+        the current dense base (adapter off, nothing evicted; no gradients), both at
+        ``temperature``. The LM head runs ``LOGPROB_CHUNK_TOKENS`` positions at a time, under
+        activation checkpointing, so [tokens, vocab] logits of one chunk exist at once."""
+        from actors.native.reference import NEVER
+        from common.modeling import LOGPROB_CHUNK_TOKENS, decoder_states
+
+        dev = next(iter(self.params.values())).device
+        ids = tensors["input_ids"][rows, :t].to(dev)
+        mask = tensors["attention_mask"][rows, :t].to(dev)
+        ev = tensors["kv_evictions"][rows, :, :t].to(dev)
+        sel = tensors["response_mask"][rows, :t].to(dev)[:, 1:] > 0   # token t predicted at t - 1
+        h_s = decoder_states(self.model, ids, mask, {"kv_evictions": ev})[:, :-1][sel]
+        with torch.no_grad(), self.model.disable_adapter():
+            h_d = decoder_states(self.model, ids, mask,
+                                 {"kv_evictions": torch.full_like(ev, NEVER)})[:, :-1][sel]
+        head = self.model.get_output_embeddings()
+        from torch.utils.checkpoint import checkpoint
+
+        total = h_s.new_zeros(())
+        for a in range(0, h_s.shape[0], LOGPROB_CHUNK_TOKENS):
+            part = slice(a, a + LOGPROB_CHUNK_TOKENS)
+            total = total + checkpoint(_tv_chunk, head, h_s[part], h_d[part], float(temperature),
+                                       use_reentrant=False)
+        return total
+
     def _loss_config(self, correction_cfg):
-        """The main loss's clipping and ratio clamp, with the adapter's KL (k3, ``kl_coef``) and
-        neither entropy bonus nor the main loss's reference KL."""
+        """The main loss's clipping and ratio clamp, with the adapter's KL (k3, ``kl_coef``; none
+        with ``divergence=tv``, whose term ``_backward`` adds) and neither entropy bonus nor the
+        main loss's reference KL."""
         from correction.config import KLEstimator, LossAggregation
 
         cc = copy.deepcopy(correction_cfg)
-        cc.loss.kl_coef = float(self.cfg.kl_coef)
+        k3 = self.cfg.divergence == DistillDivergence.k3
+        cc.loss.kl_coef = float(self.cfg.kl_coef) if k3 else 0.0
         cc.loss.kl_estimator = KLEstimator.K3
         cc.loss.entropy_coef = 0.0
         cc.loss.aggregation = LossAggregation.TOKEN_MEAN

@@ -86,6 +86,7 @@ USED = {
     "rollout.distill_sparse.target_modules": "common/lora.py",
     "rollout.distill_sparse.lr": "learner/distill.py",
     "rollout.distill_sparse.kl_coef": "learner/distill.py",
+    "rollout.distill_sparse.divergence": "learner/distill.py",
     "rollout.kv.rkv_lambda": "actors/native/policies.py",
     "rollout.kv.schedule": "launch/steps.py",
     "rollout.kv.bin_tokens": "actors/native/engine.py",
