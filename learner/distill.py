@@ -137,8 +137,7 @@ class SparseAdapter:
         self.model.base_model.model.set_attn_implementation(ATTN)
         self._base = base
         self.tie()
-        self.model.to(device)
-        self.tie()
+        self.model.to(device)      # moves the LoRA parameters; the tied ones are there already
         self.params = {lora.wire_name(n): p for n, p in self.model.named_parameters()
                        if p.requires_grad}
         if None in self.params or not self.params:
