@@ -247,7 +247,7 @@ class SparseAdapter:
             if self.cfg.divergence == DistillDivergence.tv:
                 tv = self.tv_sum(tensors, chunk, t, temperature)
                 loss = loss + float(self.cfg.kl_coef) * tv / total
-                means["distill/tv_dense"] = float(tv) / max(float(keep.sum()), 1.0)
+                means["distill/tv_dense"] = float(tv.detach()) / max(float(keep.sum()), 1.0)
             loss.backward()
             parts.append((float(keep.sum()), means))
         return parts
