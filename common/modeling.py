@@ -43,7 +43,8 @@ LOGPROB_CHUNK_TOKENS = 1024  # response tokens whose [tokens, vocab] logits exis
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    temperature: float = 1.0, *, response_mask: torch.Tensor | None = None,
                    with_entropy: bool = False, chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
-                   min_chunks: int = 0, decoder_kwargs: dict | None = None):
+                   min_chunks: int = 0, decoder_kwargs: dict | None = None,
+                   hidden: torch.Tensor | None = None):
     """Per-position log p(input_ids[:, t] | input_ids[:, :t]) under softmax(logits / temperature).
 
     Returns a [B, T] float32 tensor aligned with ``input_ids``; position 0 (no context) is 0. With
@@ -59,9 +60,11 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     data-parallel ranks whose every head call is a collective (ZeRO-3) call it equally often.
     log p = z_y - logsumexp(z), z = logits / temperature: the same numbers as ``log_softmax``.
     ``decoder_kwargs`` go to the decoder's forward (transformers hands them to the attention
-    function: the sparse sampler's kept sets, ``learner/distill.py``).
+    function: the sparse sampler's kept sets, ``learner/distill.py``). ``hidden``: the decoder's
+    states when the caller already has them (``decoder_states``), so the decoder runs once.
     """
-    hidden = decoder_states(model, input_ids, attention_mask, decoder_kwargs)
+    if hidden is None:
+        hidden = decoder_states(model, input_ids, attention_mask, decoder_kwargs)
     want = attention_mask if response_mask is None else response_mask
     sel = want[:, 1:] > 0                                  # token t is predicted at t - 1
     h, targets = hidden[:, :-1][sel], input_ids[:, 1:][sel]

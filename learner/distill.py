@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from actors.config import DistillDivergence
 from common import lora
-from common.modeling import abs_sum, load_model, token_logprobs
+from common.modeling import abs_sum, decoder_states, load_model, token_logprobs
 
 ATTN = "sparse_kept_sets"
 ADAPTER_DIR = "distill_sparse"   # the adapter's peft folder beside an HF export / in a checkpoint
@@ -186,14 +186,25 @@ class SparseAdapter:
         return {n: abs_sum(t) for n, t in self.named()}
 
     # ---- training -----------------------------------------------------------------------------
-    def sparse_logprobs(self, tensors: dict, rows, t: int, temperature: float) -> torch.Tensor:
-        """Sparse-policy log-probs [rows, t] of rows ``rows`` (base + adapter, kept sets)."""
+    def _sparse_inputs(self, tensors: dict, rows, t: int):
+        """(input_ids, attention_mask, decoder kwargs with the kept sets) of ``rows``, on the
+        adapter's device."""
         dev = next(iter(self.params.values())).device
-        return token_logprobs(self.model, tensors["input_ids"][rows, :t].to(dev),
-                              tensors["attention_mask"][rows, :t].to(dev), temperature,
-                              response_mask=tensors["response_mask"][rows, :t].to(dev),
-                              decoder_kwargs={"kv_evictions":
-                                              tensors["kv_evictions"][rows, :, :t].to(dev)})
+        return (tensors["input_ids"][rows, :t].to(dev), tensors["attention_mask"][rows, :t].to(dev),
+                {"kv_evictions": tensors["kv_evictions"][rows, :, :t].to(dev)})
+
+    def sparse_states(self, tensors: dict, rows, t: int) -> torch.Tensor:
+        """The sparse sampler's decoder states [rows, t, hidden] (base + adapter, kept sets)."""
+        return decoder_states(self.model, *self._sparse_inputs(tensors, rows, t))
+
+    def sparse_logprobs(self, tensors: dict, rows, t: int, temperature: float,
+                        hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Sparse-policy log-probs [rows, t] of rows ``rows`` (base + adapter, kept sets);
+        ``hidden``: their ``sparse_states`` when already computed."""
+        ids, mask, kw = self._sparse_inputs(tensors, rows, t)
+        return token_logprobs(self.model, ids, mask, temperature,
+                              response_mask=tensors["response_mask"][rows, :t].to(ids.device),
+                              decoder_kwargs=kw, hidden=hidden)
 
     def train_step(self, tensors: dict, correction_cfg, temperature: float,
                    micro_batch_size: int, mini_batches: int = 1) -> dict[str, float]:
@@ -235,42 +246,46 @@ class SparseAdapter:
 
         self.optimizer.zero_grad(set_to_none=True)
         parts = []
+        tv = self.cfg.divergence == DistillDivergence.tv
         for chunk in rows.split(int(micro_batch_size)) if rows.numel() else ():
             t = max(2, int(tensors["attention_mask"][chunk].sum(1).max()))
-            new = self.sparse_logprobs(tensors, chunk, t, temperature)
+            # tv: one sparse forward feeds both the PPO log-probs and the TV term
+            hidden = self.sparse_states(tensors, chunk, t) if tv else None
+            new = self.sparse_logprobs(tensors, chunk, t, temperature, hidden)
             keep = resp[chunk, :t].to(new.device)
             cut = lambda k: tensors[k][chunk, :t].to(new.device).float()  # noqa: E731
             loss, lm = policy_loss(new, cut("sampler_logprobs"), tensors["advantages"][chunk]
                                    .to(new.device), torch.ones_like(new), keep, cc,
                                    ref_logp=cut("old_logprobs"), denominator=total)
             means = _chunk_means(lm, total, float(keep.sum()))
-            if self.cfg.divergence == DistillDivergence.tv:
-                tv = self.tv_sum(tensors, chunk, t, temperature)
-                loss = loss + float(self.cfg.kl_coef) * tv / total
-                means["distill/tv_dense"] = float(tv.detach()) / max(float(keep.sum()), 1.0)
+            if tv:
+                div = self.tv_sum(tensors, chunk, t, temperature, hidden)
+                loss = loss + float(self.cfg.kl_coef) * div / total
+                means["distill/tv_dense"] = float(div.detach()) / max(float(keep.sum()), 1.0)
             loss.backward()
             parts.append((float(keep.sum()), means))
         return parts
 
-    def tv_sum(self, tensors: dict, rows, t: int, temperature: float) -> torch.Tensor:
+    def tv_sum(self, tensors: dict, rows, t: int, temperature: float,
+               hidden: torch.Tensor | None = None) -> torch.Tensor:
         """sum over the response tokens of ``rows`` of TV(sparse, dense) = 1 - alpha_t, the exact
         disagreement the schedule's probes measure (``correction.metrics.tv_agreement``), between
         the sparse sampler (base + adapter under the kept sets; gradients reach the adapter) and
         the current dense base (adapter off, nothing evicted; no gradients), both at
-        ``temperature``. The LM head runs ``LOGPROB_CHUNK_TOKENS`` positions at a time, under
-        activation checkpointing, so [tokens, vocab] logits of one chunk exist at once."""
+        ``temperature``; ``hidden``: the rows' ``sparse_states`` when already computed. The LM
+        head runs ``LOGPROB_CHUNK_TOKENS`` positions at a time, under activation checkpointing,
+        so [tokens, vocab] logits of one chunk exist at once."""
         from actors.native.reference import NEVER
-        from common.modeling import LOGPROB_CHUNK_TOKENS, decoder_states
+        from common.modeling import LOGPROB_CHUNK_TOKENS
 
-        dev = next(iter(self.params.values())).device
-        ids = tensors["input_ids"][rows, :t].to(dev)
-        mask = tensors["attention_mask"][rows, :t].to(dev)
-        ev = tensors["kv_evictions"][rows, :, :t].to(dev)
-        sel = tensors["response_mask"][rows, :t].to(dev)[:, 1:] > 0   # token t predicted at t - 1
-        h_s = decoder_states(self.model, ids, mask, {"kv_evictions": ev})[:, :-1][sel]
+        ids, mask, kw = self._sparse_inputs(tensors, rows, t)
+        sel = tensors["response_mask"][rows, :t].to(ids.device)[:, 1:] > 0   # t predicted at t-1
+        if hidden is None:
+            hidden = decoder_states(self.model, ids, mask, kw)
+        h_s = hidden[:, :-1][sel]
         with torch.no_grad(), self.model.disable_adapter():
-            h_d = decoder_states(self.model, ids, mask,
-                                 {"kv_evictions": torch.full_like(ev, NEVER)})[:, :-1][sel]
+            dense = {"kv_evictions": torch.full_like(kw["kv_evictions"], NEVER)}
+            h_d = decoder_states(self.model, ids, mask, dense)[:, :-1][sel]
         head = self.model.get_output_embeddings()
         from torch.utils.checkpoint import checkpoint
 
