@@ -150,7 +150,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--bin-tokens", type=int, default=16)
     ap.add_argument("--compress-every", type=int, default=16)
     ap.add_argument("--budgets", default="", help="candidate budgets (default 8..96 step 8)")
-    ap.add_argument("--policy", default="rkv", choices=[p.value for p in KVPolicy if p is not KVPolicy.dense],
+    ap.add_argument("--policy", default="rkv",
+                    choices=[p.value for p in KVPolicy if p is not KVPolicy.dense],
                     help="eviction policy replayed at each budget (default rkv)")
     ap.add_argument("--protect-prompt", action="store_true")
     ap.add_argument("--adapter", default="",
@@ -176,8 +177,8 @@ def main(argv=None) -> list[dict]:
     model, tok = load_model(a.model), load_tokenizer(a.model)
     task = make_task(TaskConfig(name="running_sum"))
     n = a.prompts or (16 if a.quick else 48)
-    kv = KVConfig(policy=KVPolicy(a.policy), budget=48, compress_every=a.compress_every, obs_window=8,
-                  bin_tokens=a.bin_tokens, protect_prompt=a.protect_prompt)
+    kv = KVConfig(policy=KVPolicy(a.policy), budget=48, compress_every=a.compress_every,
+                  obs_window=8, bin_tokens=a.bin_tokens, protect_prompt=a.protect_prompt)
     engine, dense = NativeEngine(model, kv, 64), NativeEngine(model, KVConfig(), 64)
     calib = sequences(dense, tok, task.problems("train")[:n], 4, seed=1, max_new=80)
     held = sequences(dense, tok, task.problems("heldout")[:n], 4, seed=2, max_new=80)

@@ -352,7 +352,7 @@ class VLLMEngine:
     def weight_sums(self) -> dict[str, float]:
         return dict(self._ledger.sums)
 
-    # ---- the sparse sampler's LoRA adapter (DistillSparse) ----------------------------------------
+    # ---- the sparse sampler's LoRA adapter (DistillSparse) --------------------------------
     def set_adapter(self, tensors: dict[str, torch.Tensor], cfg) -> None:
         """Serve ``tensors`` (``common.lora`` wire names; ``cfg``: ``DistillSparseConfig``) as
         the LoRA adapter of ``adapter_view`` requests: written as a peft folder and loaded in
@@ -365,7 +365,8 @@ class VLLMEngine:
         if not self.lora_rank:
             raise RuntimeError("vllm engine: set_adapter needs an engine built with lora_rank > 0")
         if int(cfg.rank) > self.lora_rank:
-            raise ValueError(f"vllm engine: adapter rank {cfg.rank} > the engine's {self.lora_rank}")
+            raise ValueError(f"vllm engine: adapter rank {cfg.rank} > the engine's "
+                             f"{self.lora_rank}")
         if self._lora_dir is None:
             import tempfile
 
