@@ -37,6 +37,15 @@ class KVObjective(str, enum.Enum):
     memory = "memory"   # fewest KV slots held per generated token
 
 
+class KVPlanner(str, enum.Enum):
+    # every bin's budget chosen by replaying the probes at the schedule itself (growing schedules
+    # allowed: eviction is irreversible, so only a replay of the whole prefix certifies a bin)
+    exact = "exact"
+    # one replay per candidate budget (that budget at every position); non-increasing schedules
+    # only, for which that table is conservative; cheaper per re-plan
+    table = "table"
+
+
 class DistillDivergence(str, enum.Enum):
     k3 = "k3"   # Sparrow: k3 estimate of KL(sparse || dense old) on the sampled tokens
     tv = "tv"   # exact total variation to the current dense base over the vocabulary (1 - alpha)
@@ -88,20 +97,21 @@ class KVConfig:
     # (dynamic: the starting schedule; the driver keeps the current one here).
     budgets: list[int] = field(default_factory=list)
     # Share of each rollout call's sequences replayed teacher-forced with a dense cache: exact
-    # per-token agreement 1 - TV (row column ``kv_agreement``, per-bin metrics); dynamic: also at
-    # each of probe_budgets, the re-planner's table.
+    # per-token agreement 1 - TV (row column ``kv_agreement``, per-bin metrics); dynamic: also
+    # replayed at candidate schedules built from probe_budgets, the re-planner's evidence.
     probe_share: float = 0.0
-    # Budgets probes are replayed at (dynamic); empty: every half bin up to the longest sequence.
+    # Candidate budgets (dynamic); empty: every half bin up to the longest sequence.
     probe_budgets: list[int] = field(default_factory=list)
     threshold: float = 0.86         # min per-bin p5 of probe agreement (Sparrow: 0.85-0.90 stable)
     margin: float = 0.0             # added to threshold when planning (probes are a sample)
     replan_every: int = 5           # training steps between re-plans (dynamic)
     protect_prompt: bool = False    # compression never evicts prompt tokens (they count in budget)
     objective: KVObjective = KVObjective.speed   # what the re-planner minimises (dynamic)
+    planner: KVPlanner = KVPlanner.exact         # how it searches (dynamic; schedule/plan.py)
 
     def __post_init__(self) -> None:
         _coerce(self, "rollout.kv", {"policy": KVPolicy, "schedule": KVSchedule,
-                                     "objective": KVObjective})
+                                     "objective": KVObjective, "planner": KVPlanner})
 
     def bin_budgets(self) -> list[int]:
         """The configured budget of each bin (``budgets``, else ``[budget]``)."""
@@ -141,6 +151,7 @@ class KVConfig:
         check_range(f"{prefix}.margin", self.margin, lo=0.0, hi=1.0)
         check_range(f"{prefix}.replan_every", self.replan_every, lo=1)
         _enum(f"{prefix}.objective", KVObjective, self.objective)
+        _enum(f"{prefix}.planner", KVPlanner, self.planner)
         if policy == KVPolicy.dense and self.probe_share > 0:
             raise ConfigError(f"{prefix}.probe_share", self.probe_share,
                               f"0 with {prefix}.policy=dense (a dense cache agrees exactly)")

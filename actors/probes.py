@@ -5,9 +5,9 @@ engine, with the dense policy's next-token distributions of the same tokens besi
 forward, ``DenseReference``); at every response token the two full distributions give the agreement
 alpha_t = sum_v min(p_sparse(v), p_dense(v)) = 1 - TV (``correction.metrics.tv_agreement``).
 Replaying at the schedule in use gives the sampled sequence's own alpha (the kept sets follow from
-the row's own cache, so they are the generation's); replaying at each candidate budget (one budget
-at every position) gives the re-planner's table, budget x position bin -> alphas
-(``schedule.plan``). Only alphas leave the actor, never distributions.
+the row's own cache, so they are the generation's); replaying at candidate schedules gives the
+re-planner its evidence (``schedule.plan``: per candidate schedule, or a table budget x position
+bin -> alphas of one budget at every position). Only alphas leave the actor, never distributions.
 """
 from __future__ import annotations
 
@@ -61,25 +61,27 @@ class DenseReference:
 
 
 def agreement(engine, prompts: list[list[int]], responses: list[list[int]], params,
-              micro_batch: int, budgets: list[int] | None = None, reference=None):
+              micro_batch: int, schedules: list[list[int]] | None = None, reference=None):
     """alpha per response token for each (prompt, response), ``micro_batch`` rows per replay
     against the dense reference (``DenseReference`` of ``reference``, default the engine's own
-    model; a DistillSparse sampler is measured against the dense base model). With ``budgets``:
-    {budget: alphas} with the engine at each single budget in turn (one dense forward shared; the
-    engine's own schedule is restored afterwards); without: the alphas at the engine's schedule."""
+    model; a DistillSparse sampler is measured against the dense base model). With ``schedules``
+    (budgets per bin; ``[b]`` is the single budget b): one list of alphas per schedule, the engine
+    at each in turn (one dense forward shared; the engine's own schedule is restored afterwards);
+    without: the alphas at the engine's schedule."""
     saved = list(engine.budgets)
-    out: dict = {b: [] for b in (budgets or [None])}
+    runs = [list(s) for s in schedules] if schedules is not None else [None]
+    out: list[list] = [[] for _ in runs]
     try:
         for i in range(0, len(prompts), micro_batch):
             p, r = prompts[i:i + micro_batch], responses[i:i + micro_batch]
             ref = DenseReference(engine.model if reference is None else reference, p, r, params)
-            for b in out:
-                if b is not None:
-                    engine.set_budgets([b])
-                out[b] += [a.tolist() for a in engine.replay(p, r, params, against=ref)]
+            for j, sched in enumerate(runs):
+                if sched is not None:
+                    engine.set_budgets(sched)
+                out[j] += [a.tolist() for a in engine.replay(p, r, params, against=ref)]
     finally:
         engine.set_budgets(saved)
-    return out if budgets else out[None]
+    return out if schedules is not None else out[0]
 
 
 def candidate_budgets(kv, longest: int) -> list[int]:

@@ -60,6 +60,7 @@ class RolloutActor(ReceivesWeights):
         self._calls = 0
         self._dense = None
         self._probes, self._realized, self._cost = {}, {}, None   # dynamic KV schedule
+        self._probe_seqs: list[tuple] = []    # (prompts, responses, params): planner=exact
 
     # ---- generation ------------------------------------------------------------------------------
     def _params(self, greedy: bool, batch: int | None = None) -> SamplingParams:
@@ -171,9 +172,11 @@ class RolloutActor(ReceivesWeights):
     # ---- KV budget schedule (issue 14) -------------------------------------------------------
     def _probe(self, outs, params, batch: int | None) -> dict[int, list[float]]:
         """Probe rows (``rollout.kv.probe_share``): exact alpha per response token at the schedule
-        in use; with ``schedule=dynamic`` also the candidate-budget table, kept until the driver
-        takes it (``take_probes``)."""
-        from actors.config import KVSchedule
+        in use; with ``schedule=dynamic``, for the batches the next re-plan reads, the evidence it
+        plans from, kept until the driver takes it (``take_probes``): the probe sequences
+        themselves (``planner=exact``, replayed on request: ``replay_probes``) or the
+        candidate-budget table (``planner=table``)."""
+        from actors.config import KVPlanner, KVSchedule
         from actors.probes import agreement, candidate_budgets, probe_rows
         from schedule.plan import bin_alphas, merge
 
@@ -186,26 +189,60 @@ class RolloutActor(ReceivesWeights):
         micro = int(self.cfg.dense_micro_batch)
         alphas = agreement(self.engine, prompts, responses, params, micro)
         plens = [len(p) for p in prompts]
-        if KVSchedule(kv.schedule) == KVSchedule.dynamic:
+        dynamic = KVSchedule(kv.schedule) == KVSchedule.dynamic
+        if dynamic:
             self._realized = merge([{0: self._realized},
                                     {0: bin_alphas(plens, alphas, kv.bin_tokens)}])[0]
-        # the candidate table only for batches the re-plan right after them reads (step k
-        # trains batch k; re-plans at multiples of replan_every): the table is most of the cost
-        if KVSchedule(kv.schedule) == KVSchedule.dynamic and (batch is None or
-                                                              batch % kv.replan_every == 0):
-            longest = max(plens) + self.cfg.max_new_tokens
-            table = agreement(self.engine, prompts, responses, params, micro,
-                              candidate_budgets(kv, longest))
-            self._probes = merge([self._probes, {b: bin_alphas(plens, a, kv.bin_tokens)
-                                                 for b, a in table.items()}])
+        # only batches the re-plan right after them reads (step k trains batch k; re-plans at
+        # multiples of replan_every): replaying candidates is most of the cost
+        if dynamic and (batch is None or batch % kv.replan_every == 0):
+            if KVPlanner(kv.planner) == KVPlanner.exact:
+                self._probe_seqs.append((prompts, responses, params))
+            else:
+                budgets = candidate_budgets(kv, max(plens) + self.cfg.max_new_tokens)
+                table = agreement(self.engine, prompts, responses, params, micro,
+                                  [[b] for b in budgets])
+                self._probes = merge([self._probes, {b: bin_alphas(plens, a, kv.bin_tokens)
+                                                     for b, a in zip(budgets, table)}])
         return dict(zip(rows, alphas))
+
+    def probe_summary(self) -> dict:
+        """What the exact planner needs to know of the kept probe sequences: their longest
+        possible length (prompt + ``max_new_tokens``) and their response tokens per bin."""
+        from schedule.plan import bin_alphas
+
+        counts: dict[int, int] = {}
+        longest = 0
+        for prompts, responses, _ in self._probe_seqs:
+            plens = [len(p) for p in prompts]
+            longest = max([longest] + [n + self.cfg.max_new_tokens for n in plens])
+            # token ids in place of alphas: only how many fall in each bin counts
+            for k, v in bin_alphas(plens, responses, self.cfg.kv.bin_tokens).items():
+                counts[k] = counts.get(k, 0) + len(v)
+        return {"longest": longest, "counts": counts}
+
+    def replay_probes(self, schedules: list[list[int]]) -> list[dict[int, list[float]]]:
+        """The kept probe sequences replayed at each schedule: alphas by position bin."""
+        from actors.probes import agreement
+        from schedule.plan import bin_alphas, merge
+
+        out: list[dict] = [{} for _ in schedules]
+        for prompts, responses, params in self._probe_seqs:
+            runs = agreement(self.engine, prompts, responses, params,
+                             int(self.cfg.dense_micro_batch), schedules)
+            plens = [len(p) for p in prompts]
+            out = [merge([{0: o}, {0: bin_alphas(plens, a, self.cfg.kv.bin_tokens)}])[0]
+                   for o, a in zip(out, runs)]
+        return out
 
     def take_probes(self) -> dict:
         """The probe table gathered since the last call ({budget: {bin: alphas}}), the realised
-        alphas per bin at the schedule in use, and that schedule; then forgets them."""
+        alphas per bin at the schedule in use, that schedule, and how many probe sequences are
+        kept for ``replay_probes``; then forgets them all."""
         out = {"table": self._probes, "realized": self._realized,
-               "budgets": list(self.engine.budgets)}
-        self._probes, self._realized = {}, {}
+               "budgets": list(self.engine.budgets),
+               "sequences": sum(len(ps) for ps, _, _ in self._probe_seqs)}
+        self._probes, self._realized, self._probe_seqs = {}, {}, []
         return out
 
     def set_budgets(self, budgets: list[int]) -> None:

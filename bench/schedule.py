@@ -7,8 +7,10 @@ Calibration: responses sampled (temperature 1, the dense cache) for training pro
 teacher-forced through the R-KV engine at each candidate budget and through the dense cache; the
 exact per-token agreement alpha = 1 - TV gives the probe table budget x position bin -> alphas
 (``actors.probes``). ``static``: the smallest single budget whose 5th percentile of alpha passes
-``--threshold`` in every bin. ``dynamic``: ``schedule.plan.plan`` over the same table with the
-engine's measured cost model (``schedule.cost``, cached under ``.cache/cost_models``).
+``--threshold`` (+ ``--margin``) in every bin. ``dynamic``: the ``--planner``'s schedule with the
+engine's measured cost model (``schedule.cost``, cached under ``.cache/cost_models``): ``exact``
+(default) ``schedule.plan.search``, replaying the calibration sequences at candidate schedules,
+growing ones included; ``table``: ``schedule.plan.plan`` over the same table (non-increasing).
 Both are then judged on held-out prompts (fresh sampled responses, replayed at the chosen budgets):
 ``agreement_p5_min_bin`` (the worst bin's p5), ``agreement_mean``; ``mean_budget`` (budget in force
 at each response token, averaged); ``kv_bytes_vs_dense`` (peak KV bytes per sequence when
@@ -42,7 +44,7 @@ from actors.engine import SamplingParams  # noqa: E402
 from actors.native import NativeEngine  # noqa: E402
 from actors.probes import agreement  # noqa: E402
 from schedule.cost import bin_cost, load_or_measure  # noqa: E402
-from schedule.plan import bin_alphas, bin_stats, mean_budget, plan, pooled  # noqa: E402
+from schedule.plan import bin_alphas, bin_stats, mean_budget, plan, pooled, search  # noqa: E402
 
 COLUMNS = ("schedule", "distill", "budgets", "mean_budget", "kv_bytes_vs_dense",
            "tok_per_s_vs_dense", "agreement_p5_min_bin", "agreement_mean", "worst_bin", "passes")
@@ -57,10 +59,19 @@ def sequences(engine, tok, problems, samples: int, seed: int, max_new: int):
     return [o.prompt_ids for o in keep], [o.response_ids for o in keep], params
 
 
-def table_for(engine, prompts, responses, params, budgets, width, reference=None):
+def replayer(engine, prompts, responses, params, width, reference=None):
+    """``replay(schedules)`` for ``schedule.plan.search``: alphas by bin at each schedule."""
     plens = [len(p) for p in prompts]
-    table = agreement(engine, prompts, responses, params, 16, budgets, reference)
-    return {b: bin_alphas(plens, a, width) for b, a in table.items()}
+
+    def replay(schedules):
+        runs = agreement(engine, prompts, responses, params, 16, schedules, reference)
+        return [bin_alphas(plens, a, width) for a in runs]
+    return replay
+
+
+def table_for(engine, prompts, responses, params, budgets, width, reference=None):
+    runs = replayer(engine, prompts, responses, params, width, reference)([[b] for b in budgets])
+    return dict(zip(budgets, runs))
 
 
 def judge(engine, dense, schedule, held, params, width, repeat: int, reference=None) -> dict:
@@ -95,15 +106,21 @@ def passes(by_bin: dict, threshold: float) -> bool:
     return all(s["p5"] >= threshold for s in bin_stats(pooled(by_bin)[0]).values())
 
 
-def pick(table, budgets: list[int], cost, a) -> dict[str, list[int]]:
+def pick(table, replay, budgets: list[int], cost, a) -> dict[str, list[int]]:
     """The schedules to judge: the smallest single budget passing every bin of the calibration
-    table, and ``schedule.plan.plan`` with each objective."""
-    passing = [b for b in budgets if passes(table[b], a.threshold)]
+    table (at ``--threshold`` + ``--margin``), and the ``--planner``'s schedule with each
+    objective (``schedule.plan.search`` replaying calibration sequences, or ``plan`` over the
+    table)."""
+    passing = [b for b in budgets if passes(table[b], a.threshold + a.margin)]
     plans = {"static": [passing[0] if passing else budgets[-1]]}
     counts = {k: len(v) for k, v in table[budgets[0]].items()}
     for objective in ("speed", "memory"):
         per_bin = bin_cost(objective, cost, a.bin_tokens, a.compress_every, 64, counts)
-        plans[f"dynamic-{objective}"], info = plan(table, per_bin, a.threshold)
+        if a.planner == "exact":
+            plans[f"dynamic-{objective}"], info = search(replay, budgets, a.bin_tokens, per_bin,
+                                                         a.threshold, a.margin)
+        else:
+            plans[f"dynamic-{objective}"], info = plan(table, per_bin, a.threshold, a.margin)
         print(f"[schedule] dynamic ({objective}): {plans[f'dynamic-{objective}']} "
               f"(unmet bins {info['unmet_bins']})")
     print(f"[schedule] cost model held-out error: step {cost.error['step']:.3f}, compress "
@@ -137,6 +154,7 @@ def report(rows: list[dict], a, cost) -> None:
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps({"rows": rows, "threshold": a.threshold,
+                                            "margin": a.margin, "planner": a.planner,
                                             "cost_error": cost.error, "argv": sys.argv}, indent=1))
 
 
@@ -147,9 +165,13 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--prompts", type=int, default=0,
                     help="prompts per split, 4 samples each (default 48, --quick 16)")
     ap.add_argument("--threshold", type=float, default=0.86)
+    ap.add_argument("--margin", type=float, default=0.0,
+                    help="added to the threshold when picking on calibration (rollout.kv.margin)")
+    ap.add_argument("--planner", default="exact", choices=["exact", "table"],
+                    help="the dynamic rows' planner (rollout.kv.planner)")
     ap.add_argument("--bin-tokens", type=int, default=16)
     ap.add_argument("--compress-every", type=int, default=16)
-    ap.add_argument("--budgets", default="", help="candidate budgets (default 8..96 step 8)")
+    ap.add_argument("--budgets", default="", help="candidate budgets (default 16..96 step 8)")
     ap.add_argument("--policy", default="rkv",
                     choices=[p.value for p in KVPolicy if p is not KVPolicy.dense],
                     help="eviction policy replayed at each budget (default rkv)")
@@ -192,7 +214,8 @@ def main(argv=None) -> list[dict]:
         stats = bin_stats(table[b])
         print(f"  budget {b:3d}: " + " ".join(f"bin{k} p5={s['p5']:.3f}" for k, s in stats.items()))
     cost = load_or_measure(engine, a.model, ROOT / ".cache/cost_models")
-    plans = pick(table, budgets, cost, a)
+    plans = pick(table, replayer(engine, calib[0], calib[1], params, a.bin_tokens), budgets,
+                 cost, a)
     rows = []
     for name, sched in plans.items():
         rows.append({"schedule": name, "distill": False,
@@ -222,7 +245,8 @@ def distill_rows(model, a, task, kv, dense, calib, held, params, budgets, base_t
     else:  # the same procedure for base + adapter, measured against the dense base model
         eng = NativeEngine(sampler, kv, 64)
         table = table_for(eng, calib[0], calib[1], params, budgets, a.bin_tokens, model)
-        for name, sched in pick(table, budgets, cost, a).items():
+        replay = replayer(eng, calib[0], calib[1], params, a.bin_tokens, model)
+        for name, sched in pick(table, replay, budgets, cost, a).items():
             rows.append({"schedule": name, "distill": True, **judge(
                 eng, dense, sched, held, params, a.bin_tokens, a.repeat, reference=model)})
         for b in budgets:

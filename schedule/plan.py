@@ -1,21 +1,31 @@
 """Choosing a KV budget per position bin from probes (pure and deterministic).
 
-Inputs: a probe table ``{budget: {bin: [alpha, ...]}}`` (``actors.probes``: probe sequences replayed
-at one budget everywhere; bin = position // bin_tokens of the token, prompt included) and a cost
-``cost(bin, budget) -> seconds`` (``schedule.cost``). The statistic is Sparrow's: the 5th
-percentile of alpha in a bin (``correction.metrics.sparrow_tail``); a budget passes a bin when it
-is >= threshold + margin.
+The statistic is Sparrow's: the 5th percentile of alpha in a bin (``correction.metrics.
+sparrow_tail``) over probe tokens (bin = position // bin_tokens, prompt included); a schedule
+passes a bin when it is >= threshold + margin. Two planners (``rollout.kv.planner``):
 
-Why the schedule is non-increasing in position: a table entry measures a bin under one budget at
-every earlier position. Eviction cannot be undone, so a bin whose earlier bins ran with *smaller*
-budgets sees a poorer cache than the table says (a growing schedule would be planned on optimistic
-figures); with earlier budgets at least as large it sees a superset-chosen cache, for which the
-table is conservative. A large budget early costs nothing until a row has that many tokens, so the
-constraint costs little. The realised per-bin p5 of probes at the schedule in use is fed back: a bin
-that failed there rules out its current budget and every smaller one.
+``search`` (exact): bins are decided in order. For bin k every candidate budget b is tried as
+``chosen[:k] + [b] + [top, top, ...]`` (``top``: the largest candidate, which evicts least) by
+replaying the probes at that schedule, and b is admissible when every bin still passes (a bin that
+fails even at ``top`` everywhere: when it does no worse than there). Eviction cannot be undone, so
+only a replay of the whole prefix certifies a later bin; a budget in bin k changes nothing before
+it, and keeping ``top`` after it leaves every later bin a passing choice (the one just verified),
+so the search never dead-ends. Schedules may grow with position, as Sparrow's do. A bin with too
+few probe tokens for a 5th percentile (``pooled``) is judged with the bin before it and never gets
+a smaller budget than that bin (its own few tokens would hide among the other bin's). Cost: one
+replay per (bin, candidate that can evict in that bin).
 
-Among schedules where every bin with probe tokens passes, ``plan`` minimises the summed cost (a
-dynamic programme over bins, from the last); ties go to the smaller budgets.
+``plan`` (table): one replay per candidate budget at every position gives a table
+``{budget: {bin: [alpha, ...]}}``. A table entry measures a bin under one budget at every earlier
+position; a bin whose earlier bins ran with *smaller* budgets sees a poorer cache than the table
+says, so the table only certifies non-increasing schedules (with earlier budgets at least as large
+the bin sees a superset-chosen cache, for which the table is conservative). The realised per-bin p5
+of probes at the schedule in use is fed back: a bin that failed there rules out its current budget
+and every smaller one.
+
+Both minimise ``cost(bin, budget) -> seconds`` (``schedule.cost``) among passing schedules:
+``search`` bin by bin, ``plan`` summed over bins (a dynamic programme from the last bin); ties go
+to the smaller budgets.
 """
 from __future__ import annotations
 
@@ -129,6 +139,46 @@ def plan(table: dict[int, dict[int, list[float]]], cost: Callable[[int, int], fl
     while len(schedule) > 1 and schedule[-1] == schedule[-2]:
         schedule.pop()
     return schedule, {"floor": floor, "unmet_bins": unmet, "predicted_cost": total}
+
+
+def search(replay: Callable[[list[list[int]]], list[dict[int, list[float]]]],
+           candidates: list[int], bin_tokens: int, cost: Callable[[int, int], float],
+           threshold: float, margin: float = 0.0) -> tuple[list[int], dict]:
+    """The exact planner (module docstring). ``replay(schedules)``: for each schedule (budget per
+    bin), the probes' alphas grouped by bin. Returns (budgets per bin, trailing repeats dropped;
+    info: bins that fail even at ``top``, the schedule's summed cost, replays run)."""
+    cands = sorted({int(b) for b in candidates})
+    if not cands:
+        raise ValueError("search: no candidate budgets")
+    top, need = cands[-1], threshold + margin
+
+    def judged(by_bin: dict[int, list[float]]) -> dict[int, float]:
+        return {k: p5(v) for k, v in pooled(by_bin)[0].items()}
+
+    first = judged(at_top := replay([[top]])[0])
+    joined = pooled(at_top)[1]      # every schedule replays the same probe tokens
+    nbins = max(at_top, default=-1) + 1
+    unmet = sorted(k for k, v in first.items() if v < need)
+    # a bin that fails even at ``top`` must do no worse than there
+    target = {k: min(v, need) for k, v in first.items()}
+    chosen, total, replays = [], 0.0, 1
+    for k in range(nbins):
+        # budgets that can evict in bin k, and the smallest that cannot (a row there holds fewer
+        # than (k + 1) * bin_tokens tokens): larger ones replay identically
+        end = (k + 1) * bin_tokens
+        opts = [b for b in cands if b < end] + [b for b in cands if b >= end][:1]
+        if k in joined:     # too few tokens to judge alone: never below the bin it is judged with
+            floor = chosen[joined[k]]
+            opts = sorted({b for b in opts if b >= floor} | {floor})
+        runs = replay([chosen + [b] + [top] * (nbins - k - 1) for b in opts])
+        replays += len(opts)
+        ok = [b for b, r in zip(opts, runs) if all(v >= target[j] for j, v in judged(r).items())]
+        b = min(ok or [top], key=lambda b: (cost(k, b), b))
+        chosen.append(b)
+        total += cost(k, b)
+    while len(chosen) > 1 and chosen[-1] == chosen[-2]:
+        chosen.pop()
+    return chosen or [top], {"unmet_bins": unmet, "predicted_cost": total, "replays": replays}
 
 
 def mean_budget(schedule: list[int], by_bin_tokens: dict[int, int]) -> float:

@@ -16,7 +16,7 @@ from common.modeling import load_model
 from common.testmodels import build_model
 from correction.metrics import tv_agreement
 from schedule import cost as costmod
-from schedule.plan import bin_alphas, mean_budget, plan, pooled
+from schedule.plan import bin_alphas, mean_budget, p5, plan, pooled, search
 from tasks.base import Problem
 from conftest import ContainsAnswer
 
@@ -116,13 +116,17 @@ def test_replay_is_the_generation_path(model):
     eng.set_budgets([64])
     assert all(x == pytest.approx(1.0, abs=1e-6)
                for a in agreement(eng, PROMPTS, resp, params, 2) for x in a)
+    # at given schedules: each as if the engine ran it, and the engine's own one kept
+    runs = agreement(eng, PROMPTS, resp, params, 2, [[16, 8], [64]])
+    assert runs[0] == alphas and all(x == pytest.approx(1.0, abs=1e-6) for a in runs[1] for x in a)
+    assert eng.budgets == [64]
 
 
 # ---- rollout actor: probes and recorded budgets -------------------------------------------------
 def test_actor_rows_probes_and_table(model_dir):
     cfg = RolloutConfig(model_path=model_dir, samples_per_prompt=4, max_new_tokens=16,
                         kv=kv(budget=10, bin_tokens=8, schedule="dynamic", probe_share=0.25,
-                              probe_budgets=[6, 10, 40]))
+                              probe_budgets=[6, 10, 40], planner="table"))
     actor = RolloutActor(cfg, task_cfg=None, model_path=model_dir)
     actor._task = ContainsAnswer()
     problems = [Problem(0, "hello there", "x"), Problem(1, "abcdefghijkl", "y")]
@@ -145,11 +149,40 @@ def test_actor_rows_probes_and_table(model_dir):
     assert all(r["kv_bin_budgets"][0] == 12 for r in rows)
 
 
+def test_actor_keeps_probe_sequences_for_the_exact_planner(model_dir):
+    """planner=exact: the re-plan batch's probe sequences stay in the actor (no table is built)
+    and are replayed at any schedule the driver asks for; taking the probes forgets them."""
+    cfg = RolloutConfig(model_path=model_dir, samples_per_prompt=4, max_new_tokens=16,
+                        kv=kv(budget=10, bin_tokens=8, schedule="dynamic", probe_share=0.25,
+                              probe_budgets=[6, 10, 40]))
+    actor = RolloutActor(cfg, task_cfg=None, model_path=model_dir)
+    actor._task = ContainsAnswer()
+    problems = [Problem(0, "hello there", "x"), Problem(1, "abcdefghijkl", "y")]
+    actor.rollout(problems, version=0, batch=1)       # not a re-plan batch: nothing kept
+    assert actor.probe_summary()["counts"] == {}
+    rows = actor.rollout(problems, version=0, batch=5)
+    probed = [r for r in rows if r["kv_agreement"] is not None]
+    assert actor._probes == {}
+    summary = actor.probe_summary()
+    assert sum(summary["counts"].values()) == sum(r["response_len"] for r in probed)
+    assert summary["longest"] == max(r["prompt_len"] for r in probed) + 16
+    at_own, dense, grown = actor.replay_probes([[10], [40], [6, 40]])
+    # the schedule in use reproduces the rows' own alphas; above every length: exactly dense
+    own = bin_alphas([r["prompt_len"] for r in probed], [r["kv_agreement"] for r in probed], 8)
+    assert {k: pytest.approx(v, abs=1e-6) for k, v in own.items()} == at_own
+    assert all(x == pytest.approx(1.0, abs=1e-6) for v in dense.values() for x in v)
+    assert grown != at_own and set(grown) == set(at_own)
+    assert actor.take_probes()["sequences"] == len(probed)
+    assert actor.probe_summary()["counts"] == {} and actor.replay_probes([[10]]) == [{}]
+
+
 def test_schedule_config_errors():
     with pytest.raises(ConfigError, match="rollout.kv.probe_share"):
         kv(schedule="dynamic").validate()
     with pytest.raises(ConfigError, match="rollout.kv.schedule"):
         KVConfig(policy="dense", schedule="dynamic").validate()
+    with pytest.raises(ConfigError, match="rollout.kv.planner"):
+        kv(schedule="dynamic", probe_share=0.5, planner="greedy").validate()
     with pytest.raises(ConfigError, match="rollout.kv.budgets"):
         kv(budgets=[12, 0]).validate()
     with pytest.raises(ConfigError, match="rollout.kv.obs_window"):
@@ -207,6 +240,66 @@ def test_sparse_tail_bins_are_pooled_with_the_bin_before():
     pooled_bins, joined = pooled({0: [1.0] * 25, 1: [0.9] * 5, 2: [0.5] * 30, 3: [0.1]})
     assert joined == {1: 0, 3: 2} and sorted(pooled_bins) == [0, 2]
     assert len(pooled_bins[0]) == 30 and len(pooled_bins[2]) == 31
+
+
+def irreversible_replay(schedules, log=None):
+    """Synthetic probes with irreversible eviction (bins of 8 tokens, 20 alphas each): bin j
+    passes when its own budget is >= NEED[j] and no earlier bin evicted below what bin j needs of
+    it (EARLY: bin 3 fails once bin 1 ran at 8)."""
+    need, early = {0: 8, 1: 8, 2: 16, 3: 24}, {(1, 3): 16}
+    out = []
+    for sched in schedules:
+        if log is not None:
+            log.append(list(sched))
+        b = lambda j: sched[min(j, len(sched) - 1)]  # noqa: E731
+        ok = {j: b(j) >= need[j] and all(b(i) >= v for (i, jj), v in early.items() if jj == j)
+              for j in need}
+        out.append({j: [0.99] * 20 if ok[j] else [0.99] * 18 + [0.2] * 2 for j in need})
+    return out
+
+
+def test_exact_search_certifies_growing_schedules():
+    """The exact planner finds the growing schedule whose every bin passes when replayed as a
+    whole; the per-bin floors of the one-budget table would give [8, 8, 16, 24], which fails bin
+    3, and the table planner can only certify the non-increasing [24]."""
+    log: list = []
+    replay = lambda s: irreversible_replay(s, log)  # noqa: E731
+    budgets, info = search(replay, [8, 16, 24, 32], 8, linear_cost, 0.86)
+    assert budgets == [8, 16, 16, 24] and info["unmet_bins"] == []
+    assert all(p5(v) >= 0.86 for v in irreversible_replay([budgets])[0].values())
+    assert p5(irreversible_replay([[8, 8, 16, 24]])[0][3]) < 0.86
+    table = {b: irreversible_replay([[b]])[0] for b in (8, 16, 24, 32)}
+    assert plan(table, linear_cost, 0.86)[0] == [24]
+    # one replay at the top, then per bin the budgets that can evict there and the smallest that
+    # cannot (bin 0: 8; bin 1: 8, 16; bin 2: 8, 16, 24; bin 3: all four)
+    assert info["replays"] == len(log) == 1 + 1 + 2 + 3 + 4 and log[0] == [32]
+    assert log[1:3] == [[8, 32, 32, 32], [8, 8, 32, 32]]
+    assert search(replay, [8, 16, 24, 32], 8, linear_cost, 0.86) == (budgets, info)
+
+
+def test_exact_search_cost_margin_and_unmet_bins():
+    # the cost model says a budget that never compresses is cheapest: bin 3 takes it
+    cost = lambda k, b: 1.0 if b == 32 else float(b)  # noqa: E731
+    assert search(irreversible_replay, [8, 16, 24, 32], 8, cost, 0.86)[0] == [8, 16, 16, 32]
+    # a margin no alpha meets: every bin unmet, each held to its p5 at the top budget (0.99)
+    budgets, info = search(irreversible_replay, [8, 16, 24, 32], 8, linear_cost, 0.86, 0.2)
+    assert info["unmet_bins"] == [0, 1, 2, 3] and budgets == [8, 16, 16, 24]
+    # a bin failing whatever the budget: no constraint from it (here it does no worse anywhere)
+    failing = lambda s: [{0: [0.99] * 20, 1: [0.1] * 20} for _ in s]  # noqa: E731
+    budgets, info = search(failing, [8, 16], 8, linear_cost, 0.86)
+    assert info["unmet_bins"] == [1] and budgets == [8]
+
+
+def test_exact_search_keeps_a_sparse_tail_bin_at_least_at_its_pooled_bin():
+    """Bin 4 holds three tokens, pooled with bin 3 (20): evicting there at 8 spoils one of them,
+    which the pooled p5 does not see (1 of 23), but it may not go below bin 3's 24."""
+    def replay(schedules):
+        out = irreversible_replay(schedules)
+        for sched, r in zip(schedules, out):
+            r[4] = [0.99] * 3 if sched[min(4, len(sched) - 1)] >= 24 else [0.99] * 2 + [0.1]
+        return out
+    budgets, info = search(replay, [8, 16, 24, 32], 8, linear_cost, 0.86)
+    assert budgets == [8, 16, 16, 24] and info["unmet_bins"] == []
 
 
 def test_bin_alphas_and_mean_budget():

@@ -1,5 +1,5 @@
 """Issue 14 end to end: ``launch/train.py`` with ``rollout.kv.schedule=dynamic`` re-plans the KV
-budgets from the rollout actors' probes, sends them to the actors (the rows record them), logs the
+budgets from the rollout actors' probes (either planner), sends them to the actors (the rows record them), logs the
 per-bin probe agreement, and the checkpoint's config carries the schedule in use (resume and
 replacement actors start from it)."""
 from __future__ import annotations
@@ -17,8 +17,10 @@ REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 
-def test_dynamic_schedule_replans_and_checkpoints(tiny_model, tmp_path):
+@pytest.mark.parametrize("planner", ["exact", "table"])
+def test_dynamic_schedule_replans_and_checkpoints(tiny_model, tmp_path, planner):
     args = [f"rollout.model_path={tiny_model}", "run.steps=2", *SMALL_JOB,
+            f"rollout.kv.planner={planner}",
             "rollout.num_actors=1", "rollout.kv.schedule=dynamic", "rollout.kv.probe_share=0.25",
             "rollout.kv.replan_every=1", "rollout.kv.bin_tokens=8",
             "rollout.kv.probe_budgets=[8,16,48]", "rollout.kv.objective=memory",
@@ -32,6 +34,9 @@ def test_dynamic_schedule_replans_and_checkpoints(tiny_model, tmp_path):
     assert len(steps) == 2
     for r in steps:
         assert r["schedule/replanned"] == 1
+        # exact: a replay at the top budget, then per bin the candidates that can evict there
+        assert ("schedule/replays" in r) == (planner == "exact")
+        assert r.get("schedule/replays", 2) >= 2
         plan = [r[k] for k in sorted((k for k in r if k.startswith("schedule/budget_bin")),
                                      key=lambda k: int(k.rsplit("bin", 1)[1]))]
         assert plan and all(b in (8, 16, 48) for b in plan)
