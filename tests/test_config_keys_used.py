@@ -98,6 +98,7 @@ USED = {
     "rollout.kv.replan_every": "launch/steps.py",
     "rollout.kv.protect_prompt": "actors/native/engine.py",
     "rollout.kv.objective": "launch/steps.py",
+    "rollout.kv.planner": "launch/steps.py",
     "rollout.dense_logprobs": "actors/rollout.py",
     "rollout.dense_micro_batch": "actors/rollout.py",
     "rollout.vllm.gpu_memory_utilization": "actors/vllm/engine.py",
