@@ -10,7 +10,8 @@ replaying the probes at that schedule, and b is admissible when every bin still 
 fails even at ``top`` everywhere: when it does no worse than there). Eviction cannot be undone, so
 only a replay of the whole prefix certifies a later bin; a budget in bin k changes nothing before
 it, and keeping ``top`` after it leaves every later bin a passing choice (the one just verified),
-so the search never dead-ends. Schedules may grow with position, as Sparrow's do. A bin with too
+so the search never dead-ends. Schedules may grow with position, as Sparrow's do; a budget that
+never binds on the probes is then raised to the next bin's (``_lift_idle``). A bin with too
 few probe tokens for a 5th percentile (``pooled``) is judged with the bin before it and never gets
 a smaller budget than that bin (its own few tokens would hide among the other bin's). Cost: one
 replay per (bin, candidate that can evict in that bin).
@@ -173,12 +174,32 @@ def search(replay: Callable[[list[list[int]]], list[dict[int, list[float]]]],
         runs = replay([chosen + [b] + [top] * (nbins - k - 1) for b in opts])
         replays += len(opts)
         ok = [b for b, r in zip(opts, runs) if all(v >= target[j] for j, v in judged(r).items())]
-        b = min(ok or [top], key=lambda b: (cost(k, b), b))
-        chosen.append(b)
-        total += cost(k, b)
+        chosen.append(min(ok or [top], key=lambda b: (cost(k, b), b)))
+    chosen, lifts = _lift_idle(replay, chosen)
     while len(chosen) > 1 and chosen[-1] == chosen[-2]:
         chosen.pop()
-    return chosen or [top], {"unmet_bins": unmet, "predicted_cost": total, "replays": replays}
+    total = sum(cost(k, chosen[min(k, len(chosen) - 1)]) for k in range(nbins))
+    return chosen or [top], {"unmet_bins": unmet, "predicted_cost": total,
+                             "replays": replays + lifts}
+
+
+def _lift_idle(replay, chosen: list[int]) -> tuple[list[int], int]:
+    """A small budget that never binds on the probes (no row fills it plus ``compress_every``
+    within its bin) ties in cost with the larger ones and would be listed, misleadingly, as the
+    bin's budget. From the last bin down, each budget below the next bin's is raised to it when
+    the probes replay identically; a raised budget evicts no more, so the schedule stays
+    certified. Returns (schedule, replays run)."""
+    out = list(chosen)
+    if len(out) < 2:
+        return out, 0
+    ref, runs = replay([out])[0], 1
+    for k in range(len(out) - 2, -1, -1):
+        if out[k] < out[k + 1]:
+            trial = out[:k] + [out[k + 1]] + out[k + 1:]
+            runs += 1
+            if replay([trial])[0] == ref:
+                out = trial
+    return out, runs
 
 
 def mean_budget(schedule: list[int], by_bin_tokens: dict[int, int]) -> float:

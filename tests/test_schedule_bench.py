@@ -22,6 +22,9 @@ def test_schedule_bench_rows(tiny_model, tmp_path):
         assert r["passes"] == (r["agreement_p5_min_bin"] >= 0.86)
         assert 0.0 <= r["agreement_p5_min_bin"] <= r["agreement_mean"] <= 1.0
         assert 0.0 < r["kv_bytes_vs_dense"] <= 1.0 and r["tok_per_s_vs_dense"] > 0
+        assert 0.0 < r["kv_slots_vs_dense"] <= 1.0 + 1e-9
+        if r["budgets"] == [160]:            # evicts nothing: the dense cache's slots
+            assert abs(r["kv_slots_vs_dense"] - 1.0) < 1e-9
         assert all(b in (12, 24, 160) for b in r["budgets"])
         assert min(r["budgets"]) <= r["mean_budget"] <= max(r["budgets"])
     # 160 is above every sequence (prompt + 80 new tokens): nothing is evicted, so the speed plan or the held-out best passes
