@@ -16,14 +16,15 @@ Both are then judged on held-out prompts (fresh sampled responses, replayed at t
 at each response token, averaged); ``kv_bytes_vs_dense`` (peak KV bytes per sequence when
 generating with the schedule, over the dense cache's), ``kv_slots_vs_dense`` (KV slots a decode
 step holds over what a dense cache holds for the same sequence, averaged over response tokens:
-what a schedule saves over the whole generation, not only at its peak) and ``tok_per_s_vs_dense`` (same prompts,
-same seed, best of ``--repeat``). ``dynamic-speed`` minimises predicted decode time,
-``dynamic-memory`` KV slots held. ``static-heldout-best`` (when it differs): the smallest single
-budget passing on the held-out prompts themselves, the bar's reference (a dynamic schedule passes
-held-out at a smaller mean budget than the best static one that does). ``distill`` rows: the same
-schedules picked and judged for the sparse sampler base + a DistillSparse adapter (a peft folder,
-``--adapter <run>/final/distill_sparse``, or one trained here, ``--distill-steps N``, with
-``bench/distill.py``'s ``train_adapter``), its agreement measured against the dense *base* model.
+what a schedule saves over the whole generation, not only at its peak) and
+``tok_per_s_vs_dense`` (same prompts, same seed, best of ``--repeat``). ``dynamic-speed`` minimises
+predicted decode time, ``dynamic-memory`` KV slots held. ``static-heldout-best`` (when it differs):
+the smallest single budget passing on the held-out prompts themselves, the bar's reference (a
+dynamic schedule passes held-out at a smaller mean budget than the best static one that does).
+``distill`` rows: the same schedules picked and judged for the sparse sampler base + a DistillSparse
+adapter (a peft folder, ``--adapter <run>/final/distill_sparse``, or one trained here,
+``--distill-steps N``, with ``bench/distill.py``'s ``train_adapter``), its agreement measured
+against the dense *base* model.
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ from schedule.cost import bin_cost, load_or_measure  # noqa: E402
 from schedule.plan import bin_alphas, bin_stats, mean_budget, plan, pooled, search  # noqa: E402
 
 COLUMNS = ("schedule", "distill", "budgets", "mean_budget", "kv_bytes_vs_dense",
-           "kv_slots_vs_dense", "tok_per_s_vs_dense", "agreement_p5_min_bin", "agreement_mean", "worst_bin", "passes")
+           "kv_slots_vs_dense", "tok_per_s_vs_dense", "agreement_p5_min_bin", "agreement_mean",
+           "worst_bin", "passes")
 
 
 def sequences(engine, tok, problems, samples: int, seed: int, max_new: int):

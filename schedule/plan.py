@@ -162,7 +162,7 @@ def search(replay: Callable[[list[list[int]]], list[dict[int, list[float]]]],
     unmet = sorted(k for k, v in first.items() if v < need)
     # a bin that fails even at ``top`` must do no worse than there
     target = {k: min(v, need) for k, v in first.items()}
-    chosen, total, replays = [], 0.0, 1
+    chosen, replays, last = [], 1, {}
     for k in range(nbins):
         # budgets that can evict in bin k, and the smallest that cannot (a row there holds fewer
         # than (k + 1) * bin_tokens tokens): larger ones replay identically
@@ -175,7 +175,9 @@ def search(replay: Callable[[list[list[int]]], list[dict[int, list[float]]]],
         replays += len(opts)
         ok = [b for b, r in zip(opts, runs) if all(v >= target[j] for j, v in judged(r).items())]
         chosen.append(min(ok or [top], key=lambda b: (cost(k, b), b)))
-    chosen, lifts = _lift_idle(replay, chosen)
+        last = dict(zip(opts, runs))
+    # the last bin's run of the chosen budget is the whole chosen schedule's (nothing after it)
+    chosen, lifts = _lift_idle(replay, chosen, last.get(chosen[-1]) if chosen else None)
     while len(chosen) > 1 and chosen[-1] == chosen[-2]:
         chosen.pop()
     total = sum(cost(k, chosen[min(k, len(chosen) - 1)]) for k in range(nbins))
@@ -183,18 +185,18 @@ def search(replay: Callable[[list[list[int]]], list[dict[int, list[float]]]],
                              "replays": replays + lifts}
 
 
-def _lift_idle(replay, chosen: list[int]) -> tuple[list[int], int]:
+def _lift_idle(replay, chosen: list[int], ref: dict | None) -> tuple[list[int], int]:
     """A small budget that never binds on the probes (no row fills it plus ``compress_every``
     within its bin) ties in cost with the larger ones and would be listed, misleadingly, as the
     bin's budget. From the last bin down, each budget below the next bin's is raised to it when
-    the probes replay identically; a raised budget evicts no more, so the schedule stays
-    certified. Returns (schedule, replays run)."""
-    out = list(chosen)
-    if len(out) < 2:
-        return out, 0
-    ref, runs = replay([out])[0], 1
+    the probes replay identically (``ref``: their alphas at ``chosen``, replayed here if None); a
+    raised budget evicts no more, so the schedule stays certified. Returns (schedule, replays
+    run)."""
+    out, runs = list(chosen), 0
     for k in range(len(out) - 2, -1, -1):
         if out[k] < out[k + 1]:
+            if ref is None:
+                ref, runs = replay([out])[0], runs + 1
             trial = out[:k] + [out[k + 1]] + out[k + 1:]
             runs += 1
             if replay([trial])[0] == ref:

@@ -275,11 +275,12 @@ def test_exact_search_certifies_growing_schedules():
     table = {b: irreversible_replay([[b]])[0] for b in (8, 16, 24, 32)}
     assert plan(table, linear_cost, 0.86)[0] == [24]
     # one replay at the top, then per bin the budgets that can evict there and the smallest that
-    # cannot (bin 0: 8; bin 1: 8, 16; bin 2: 8, 16, 24; bin 3: all four); then the chosen
-    # [8, 16, 16, 24] and a try at raising each budget below the next (bins 2 and 0)
-    assert info["replays"] == len(log) == 1 + 1 + 2 + 3 + 4 + 3 and log[0] == [32]
+    # cannot (bin 0: 8; bin 1: 8, 16; bin 2: 8, 16, 24; bin 3: all four, the last of them the
+    # chosen [8, 16, 16, 24] itself); then a try at raising each budget below the next (bins 2, 0)
+    assert info["replays"] == len(log) == 1 + 1 + 2 + 3 + 4 + 2 and log[0] == [32]
     assert log[1:3] == [[8, 32, 32, 32], [8, 8, 32, 32]]
-    assert log[-3:] == [[8, 16, 16, 24], [8, 16, 24, 24], [16, 16, 16, 24]]
+    assert log[-6:] == [[8, 16, 16, 8], [8, 16, 16, 16], [8, 16, 16, 24], [8, 16, 16, 32],
+                        [8, 16, 24, 24], [16, 16, 16, 24]]
     assert search(replay, [8, 16, 24, 32], 8, linear_cost, 0.86) == (budgets, info)
 
 

@@ -1,7 +1,7 @@
 """Issue 14 end to end: ``launch/train.py`` with ``rollout.kv.schedule=dynamic`` re-plans the KV
-budgets from the rollout actors' probes (either planner), sends them to the actors (the rows record them), logs the
-per-bin probe agreement, and the checkpoint's config carries the schedule in use (resume and
-replacement actors start from it)."""
+budgets from the rollout actors' probes (either planner), sends them to the actors (the rows
+record them), logs the per-bin probe agreement, and the checkpoint's config carries the schedule
+in use (resume and replacement actors start from it)."""
 from __future__ import annotations
 
 import json
