@@ -36,13 +36,15 @@ from tasks.config import TaskConfig  # noqa: E402
 
 def rollout_config(model: str, budget: int, policy: str = "rkv", compress_every: int = 16,
                    max_new_tokens: int = 80, samples: int = 8, seed: int = 0,
-                   distill: DistillSparseConfig | None = None) -> RolloutConfig:
+                   distill: DistillSparseConfig | None = None,
+                   protect_prompt: bool = False) -> RolloutConfig:
     """The default job's sampler (launch/configs/default.yaml) at ``budget``, adapter on."""
     d = distill or DistillSparseConfig()
     d.enabled = True
     return RolloutConfig(model_path=str(model), samples_per_prompt=samples,
                          max_new_tokens=max_new_tokens, seed=seed, distill_sparse=d,
-                         kv=KVConfig(policy=policy, budget=budget, compress_every=compress_every))
+                         kv=KVConfig(policy=policy, budget=budget, compress_every=compress_every,
+                                     protect_prompt=protect_prompt))
 
 
 def make_actor(cfg: RolloutConfig, task_cfg: TaskConfig | None = None):

@@ -293,7 +293,10 @@ def distill_sampler(model, a, task):
 
         lcfg = DistillSparseConfig(lr=a.distill_lr, kl_coef=a.distill_kl_coef,
                                    divergence=a.distill_divergence)
-        cfg = rollout_config(a.model, a.distill_budget, distill=lcfg)
+        # trained under the sampler the rows measure: the same policy, cadence and prompt rule
+        cfg = rollout_config(a.model, a.distill_budget, policy=a.policy,
+                             compress_every=a.compress_every, distill=lcfg,
+                             protect_prompt=a.protect_prompt)
         t0 = time.time()
         tensors, _ = train_adapter(cfg, task.problems("train"), a.distill_steps, log=None)
         print(f"[schedule] DistillSparse adapter: {a.distill_steps} steps at budget "

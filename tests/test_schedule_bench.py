@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.schedule import main
 
 
@@ -30,3 +32,33 @@ def test_schedule_bench_rows(tiny_model, tmp_path):
     # 160 is above every sequence (prompt + 80 new tokens): nothing is evicted, so the speed plan or the held-out best passes
     assert any(r["passes"] for r in rows)
     assert not any("missing" in r for r in rows)
+
+
+def test_distill_adapter_trains_under_the_bench_sampler(monkeypatch):
+    """The adapter is trained with the policy, compression cadence and prompt rule the rows
+    replay (it once always trained under R-KV every 16, whatever ``--policy`` said)."""
+    import argparse
+
+    import bench.distill
+    from bench.schedule import distill_sampler
+
+    seen = {}
+
+    def fake_train(cfg, problems, steps, log=None):
+        seen["kv"], seen["steps"] = cfg.kv, steps
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(bench.distill, "train_adapter", fake_train)
+    a = argparse.Namespace(adapter="", distill_steps=3, distill_budget=40, distill_lr=1e-3,
+                           distill_kl_coef=0.001, distill_divergence="k3", model="m",
+                           policy="h2o", compress_every=8, protect_prompt=True)
+
+    class Task:
+        def problems(self, split):
+            return []
+
+    with pytest.raises(RuntimeError, match="stop here"):
+        distill_sampler(None, a, Task())
+    kv = seen["kv"]
+    assert (kv.policy, kv.budget, kv.compress_every, kv.protect_prompt) == ("h2o", 40, 8, True)
+    assert seen["steps"] == 3
