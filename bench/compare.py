@@ -5,21 +5,23 @@
     python bench/compare.py --budgets 48,24,16 --seeds 0,1,2 --steps 40 -- run.eval_every=10
 
 Arms (``ARMS``): ``dense`` (full-cache rollouts, no correction: the reference), ``naive_sparse``
-(R-KV rollouts at the budget, no correction), ``sparse_rl`` (R-KV + the Sparse-RL correction), and
-``sparse_rl_dynamic`` / ``distill_sparse`` when the config has their keys (issue 14): an arm whose
-key is absent is listed as missing in the report, never run under another name. Each (arm, budget,
-seed) is one ``launch/train.py`` run (the dense arm trains once per seed; its rows repeat per budget).
+(sparse rollouts at the budget, no correction), ``sparse_rl`` (sparse + the Sparse-RL correction),
+and ``sparse_rl_dynamic`` / ``distill_sparse`` when the config has their keys (issue 14): an arm
+whose key is absent is listed as missing in the report, never run under another name. Each (arm,
+budget, seed) is one ``launch/train.py`` run (the dense arm trains once per seed; its rows repeat
+per budget). The sparse arms evict with ``--policy`` (default R-KV, the paper's).
 
-After each run its ``final/`` model is decoded on the held-out problems twice, in this process:
-with a dense cache (``acc_dense_decode``) and with R-KV at the row's budget (``acc_sparse_decode``):
-the paper's claim that sparse training makes the model robust to sparse inference, measured for
-the dense-trained model too; the base model the same way (``acc_base``, ``acc_base_sparse``).
-``kv_bytes_vs_dense``: peak KV bytes per sequence of the arm's rollout policy over a dense cache on
-those problems (R-KV at the row's single budget); ``rollout_kv_vs_dense``: the rollouts' own peak
-KV bytes per sequence during training (``rollout/kv_bytes_per_seq``, the dynamic schedule's
-budgets) over the dense arm's; ``kv_budget_mean``: budget in force per response token;
-``probe_p5_min_bin``: the worst position bin's probe agreement p5 (arms with probes); ``rollout_s_vs_dense``: engine seconds generating a step's rollouts
-(``time/rollout_gen_s``), mean over steps, over the dense arm's with the same seed.
+After each run its ``final/`` model is decoded on the held-out problems twice, in this process: with
+a dense cache (``acc_dense_decode``) and with the policy at the row's budget
+(``acc_sparse_decode``): the paper's claim that sparse training makes the model robust to sparse
+inference, measured for the dense-trained model too; the base model the same way (``acc_base``,
+``acc_base_sparse``). ``kv_bytes_vs_dense``: peak KV bytes per sequence of the arm's rollout policy
+over a dense cache on those problems (the policy at the row's single budget);
+``rollout_kv_vs_dense``: the rollouts' own peak KV bytes per sequence during training
+(``rollout/kv_bytes_per_seq``, the dynamic schedule's budgets) over the dense arm's;
+``kv_budget_mean``: budget in force per response token; ``probe_p5_min_bin``: the worst position
+bin's probe agreement p5 (arms with probes); ``rollout_s_vs_dense``: engine seconds generating a
+step's rollouts (``time/rollout_gen_s``), mean over steps, over the dense arm's with the same seed.
 
 Writes ``<out>/compare-<time>/``: ``compare.json`` (rows + missing arms + command + wall time),
 ``compare.md`` (mean and spread over seeds), ``compare.png`` (accuracy curves, final accuracies)
@@ -50,22 +52,22 @@ from bench.compare_eval import aggregate, decode_accuracy, markdown, plot, run_s
 @dataclass(frozen=True)
 class Arm:
     name: str
-    overrides: tuple[str, ...]      # key=value; "{budget}" is filled in
+    overrides: tuple[str, ...]      # key=value; "{budget}" and "{policy}" are filled in
     requires: str = ""              # a dotted config key the arm needs; absent -> reported missing
     sparse: bool = True             # trains with the budget (False: once per seed, every budget)
 
 
 ARMS = (
     Arm("dense", ("rollout.kv.policy=dense", "correction.method=none"), sparse=False),
-    Arm("naive_sparse", ("rollout.kv.policy=rkv", "rollout.kv.budget={budget}",
+    Arm("naive_sparse", ("rollout.kv.policy={policy}", "rollout.kv.budget={budget}",
                          "correction.method=none")),
-    Arm("sparse_rl", ("rollout.kv.policy=rkv", "rollout.kv.budget={budget}",
+    Arm("sparse_rl", ("rollout.kv.policy={policy}", "rollout.kv.budget={budget}",
                       "correction.method=sparse_rl")),
-    Arm("sparse_rl_dynamic", ("rollout.kv.policy=rkv", "rollout.kv.budget={budget}",
+    Arm("sparse_rl_dynamic", ("rollout.kv.policy={policy}", "rollout.kv.budget={budget}",
                               "correction.method=sparse_rl", "rollout.kv.schedule=dynamic",
                               "rollout.kv.probe_share=0.125"),
         requires="rollout.kv.schedule"),
-    Arm("distill_sparse", ("rollout.kv.policy=rkv", "rollout.kv.budget={budget}",
+    Arm("distill_sparse", ("rollout.kv.policy={policy}", "rollout.kv.budget={budget}",
                            "correction.method=sparse_rl", "rollout.distill_sparse.enabled=true"),
         requires="rollout.distill_sparse"),
 )
@@ -90,8 +92,10 @@ def has_key(dotted: str) -> bool:
     return True
 
 
-def plan(arms, budgets: list[int], seeds: list[int]) -> tuple[list[dict], list[dict]]:
-    """(training jobs, missing arms). A job: {arm, budget (None for dense), seed, overrides}."""
+def plan(arms, budgets: list[int], seeds: list[int],
+         policy: str = "rkv") -> tuple[list[dict], list[dict]]:
+    """(training jobs, missing arms). A job: {arm, budget (None for dense), seed, overrides};
+    the sparse arms evict with ``policy``."""
     jobs, missing = [], []
     for arm in arms:
         if arm.requires and not has_key(arm.requires):
@@ -100,7 +104,7 @@ def plan(arms, budgets: list[int], seeds: list[int]) -> tuple[list[dict], list[d
             continue
         for seed in seeds:
             for budget in (budgets if arm.sparse else [None]):
-                ov = [o.format(budget=budget) for o in arm.overrides]
+                ov = [o.format(budget=budget, policy=policy) for o in arm.overrides]
                 jobs.append({"arm": arm.name, "budget": budget, "seed": seed, "overrides": ov})
     return jobs, missing
 
@@ -124,9 +128,9 @@ def train(job: dict, common: list[str], runs_dir: Path, log_dir: Path) -> dict:
             "run_dir": str(found[-1]) if ok else None}
 
 
-def rows_for(jobs: list[dict], budgets: list[int], model: Path) -> list[dict]:
-    """One row per (arm, budget, seed) with the accuracies decoded dense and sparse."""
-    base = {b: decode_accuracy(model, _any_run(jobs), b) for b in budgets}
+def rows_for(jobs: list[dict], budgets: list[int], model: Path, policy: str) -> list[dict]:
+    """One row per (arm, budget, seed) with the accuracies decoded dense and sparse (``policy``)."""
+    base = {b: decode_accuracy(model, _any_run(jobs), b, policy) for b in budgets}
     dense_stats = {j["seed"]: run_stats(Path(j["run_dir"]))
                    for j in jobs if j["arm"] == "dense" and j["run_dir"]}
     dense_roll = {s: st["rollout_s"] for s, st in dense_stats.items()}
@@ -137,7 +141,7 @@ def rows_for(jobs: list[dict], budgets: list[int], model: Path) -> list[dict]:
         run = Path(job["run_dir"])
         stats = run_stats(run)
         for budget in ([job["budget"]] if job["budget"] else budgets):
-            acc = decode_accuracy(run / "final", run, budget)
+            acc = decode_accuracy(run / "final", run, budget, policy)
             kv = 1.0 if job["arm"] == "dense" else acc["sparse_kv_bytes"] / acc["dense_kv_bytes"]
             ref = dense_roll.get(job["seed"])
             rows.append({
@@ -178,6 +182,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--arms", default=None,
                     help="arms to run, comma-separated (default: all; the dense arm is the "
                          "reference of the rollout-time and KV ratios)")
+    ap.add_argument("--policy", default="rkv", choices=["streaming", "h2o", "snapkv", "rkv"],
+                    help="the sparse arms' eviction policy, in training and in the sparse decode "
+                         "(rollout.kv.policy; default rkv, the paper's)")
     ap.add_argument("overrides", nargs="*", help="key=value for every run (after --)")
     args = ap.parse_args(argv)
     quick = args.quick
@@ -205,17 +212,19 @@ def main(argv: list[str]) -> int:
               "run.checkpoint_every=0", *(QUICK if args.quick else ()), *args.overrides]
     if args.steps is not None:
         common.append(f"run.steps={args.steps}")
-    jobs, missing = plan([a for a in ARMS if a.name in args.arms], args.budgets, args.seeds)
+    jobs, missing = plan([a for a in ARMS if a.name in args.arms], args.budgets, args.seeds,
+                         args.policy)
     for m in missing:
         print(f"[compare] arm {m['arm']} missing: {m['reason']}", flush=True)
     with ThreadPoolExecutor(args.parallel) as pool:
         jobs = list(pool.map(lambda j: train(j, common, out / "runs", out / "logs"), jobs))
-    rows = rows_for(jobs, args.budgets, args.model) if any(j["run_dir"] for j in jobs) else []
+    rows = rows_for(jobs, args.budgets, args.model, args.policy) if any(j["run_dir"] for j in jobs) else []
     failed = [{"arm": j["arm"], "budget": j["budget"], "seed": j["seed"], "log": j["log"]}
               for j in jobs if not j["run_dir"]]
     wall = round(time.time() - t0, 1)
     command = "python bench/compare.py " + " ".join(argv)
     result = {"command": command, "wall_s": wall, "budgets": args.budgets, "seeds": args.seeds,
+              "policy": args.policy,
               "rows": rows, "summary": aggregate(rows), "missing": missing, "failed": failed}
     (out / "compare.json").write_text(json.dumps(result, indent=2))
     (out / "compare.md").write_text(markdown(result))

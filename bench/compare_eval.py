@@ -22,11 +22,11 @@ COLUMNS = ("acc_dense_decode", "acc_sparse_decode", "acc_base", "acc_base_sparse
            "probe_p5_min_bin")
 
 
-def decode_accuracy(model_dir: Path, run_dir: Path, budget: int) -> dict:
+def decode_accuracy(model_dir: Path, run_dir: Path, budget: int, policy: str = "rkv") -> dict:
     """Held-out accuracy of ``model_dir`` on ``run_dir``'s evaluation problems (its task,
-    ``run.eval_problems``, ``run.eval_greedy``), decoded with a dense cache and with R-KV at
-    ``budget`` (the run's other KV settings; a DistillSparse run's sparse decode with the adapter
-    saved beside the model), and the mean peak KV bytes per sequence of each."""
+    ``run.eval_problems``, ``run.eval_greedy``), decoded with a dense cache and with ``policy``
+    (R-KV by default) at ``budget`` (the run's other KV settings; a DistillSparse run's sparse
+    decode with the adapter saved beside the model), and the mean peak KV bytes per sequence of each."""
     from actors.config import KVPolicy
     from actors.rollout import RolloutActor
     from launch.config import load_config
@@ -35,7 +35,7 @@ def decode_accuracy(model_dir: Path, run_dir: Path, budget: int) -> dict:
 
     cfg = load_config(["--config", str(Path(run_dir) / "config.yaml")], default=False)
     cfg.rollout.model_path = str(model_dir)
-    cfg.rollout.kv.policy, cfg.rollout.kv.budget = KVPolicy.rkv, int(budget)
+    cfg.rollout.kv.policy, cfg.rollout.kv.budget = KVPolicy(policy), int(budget)
     _, encoder = check_model(cfg)
     _, evals, _ = task_prompts(make_task(cfg.task), encoder, cfg.run.eval_problems)
     actor = RolloutActor(cfg.rollout, cfg.task, model_path=str(model_dir))
@@ -101,8 +101,10 @@ def markdown(result: dict) -> str:
             *(cell(c) for c in ("reward_last", "agreement_mean", "agreement_p5", "k3",
                                 "frac_rejected", "frac_vetoed", "kv_bytes_vs_dense",
                                 "rollout_s_vs_dense"))]) + " |")
+    policy = {"rkv": "R-KV", "h2o": "H2O", "snapkv": "SnapKV"}.get(result.get("policy", "rkv"),
+                                                                  result.get("policy"))
     lines.append("\nacc: held-out accuracy of the trained model decoded with a dense cache / with "
-                 "R-KV at the budget (the dense arm's one model is decoded at every budget). KV vs "
+                 f"{policy} at the budget (the dense arm's one model is decoded at every budget). KV vs "
                  "dense: peak KV bytes per sequence of the arm's rollout policy over a dense cache. "
                  "agreement, k3, rejected, vetoed: means over training steps.")
     for m in result["missing"]:
@@ -137,7 +139,7 @@ def plot(rows: list[dict], path: Path) -> Path:
         ax.legend(fontsize=8)
         ax = axes[1][col]
         for k, (key, label) in enumerate((("acc_dense_decode", "dense decode"),
-                                          ("acc_sparse_decode", f"R-KV {b} decode"))):
+                                          ("acc_sparse_decode", f"sparse {b} decode"))):
             stats = [_spread([r[key] for r in sel if r["arm"] == a]) for a in arms]
             ax.bar([i + 0.4 * k for i in range(len(arms))], [m for m, _ in stats], 0.4,
                    yerr=[s for _, s in stats], label=label)

@@ -12,7 +12,7 @@ import pytest
 from conftest import train_env
 from PIL import Image
 
-from bench.compare import ARMS, has_key, plan
+from bench.compare import ARMS, has_key, parse, plan
 from bench.compare_eval import aggregate
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,6 +32,18 @@ def test_plan_reports_arms_whose_keys_do_not_exist():
     sparse = [j for j in jobs if j["arm"] == "naive_sparse" and j["budget"] == 16]
     assert "rollout.kv.budget=16" in sparse[0]["overrides"]
     assert "correction.method=none" in sparse[0]["overrides"]
+    assert "rollout.kv.policy=rkv" in sparse[0]["overrides"]        # the paper's, by default
+
+
+def test_policy_reaches_every_sparse_arm_and_never_the_dense_one():
+    jobs, _ = plan(ARMS, [40], [0], policy="h2o")
+    for job in jobs:
+        policies = [o for o in job["overrides"] if o.startswith("rollout.kv.policy=")]
+        assert policies == (["rollout.kv.policy=dense"] if job["arm"] == "dense"
+                            else ["rollout.kv.policy=h2o"]), job
+    assert parse(["--policy", "h2o"]).policy == "h2o" and parse([]).policy == "rkv"
+    with pytest.raises(SystemExit):
+        parse(["--policy", "dense"])      # the dense arm is the reference, not a sparse policy
 
 
 def test_aggregate_mean_and_spread():
