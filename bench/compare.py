@@ -182,7 +182,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--arms", default=None,
                     help="arms to run, comma-separated (default: all; the dense arm is the "
                          "reference of the rollout-time and KV ratios)")
-    ap.add_argument("--policy", default="rkv", choices=["streaming", "h2o", "snapkv", "rkv"],
+    from actors.config import KVPolicy
+
+    ap.add_argument("--policy", default="rkv",
+                    choices=[p.value for p in KVPolicy if p is not KVPolicy.dense],
                     help="the sparse arms' eviction policy, in training and in the sparse decode "
                          "(rollout.kv.policy; default rkv, the paper's)")
     ap.add_argument("overrides", nargs="*", help="key=value for every run (after --)")
@@ -218,7 +221,8 @@ def main(argv: list[str]) -> int:
         print(f"[compare] arm {m['arm']} missing: {m['reason']}", flush=True)
     with ThreadPoolExecutor(args.parallel) as pool:
         jobs = list(pool.map(lambda j: train(j, common, out / "runs", out / "logs"), jobs))
-    rows = rows_for(jobs, args.budgets, args.model, args.policy) if any(j["run_dir"] for j in jobs) else []
+    finished = any(j["run_dir"] for j in jobs)
+    rows = rows_for(jobs, args.budgets, args.model, args.policy) if finished else []
     failed = [{"arm": j["arm"], "budget": j["budget"], "seed": j["seed"], "log": j["log"]}
               for j in jobs if not j["run_dir"]]
     wall = round(time.time() - t0, 1)

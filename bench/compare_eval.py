@@ -22,11 +22,15 @@ COLUMNS = ("acc_dense_decode", "acc_sparse_decode", "acc_base", "acc_base_sparse
            "probe_p5_min_bin")
 
 
+POLICY_NAMES = {"rkv": "R-KV", "h2o": "H2O", "snapkv": "SnapKV", "streaming": "StreamingLLM"}
+
+
 def decode_accuracy(model_dir: Path, run_dir: Path, budget: int, policy: str = "rkv") -> dict:
     """Held-out accuracy of ``model_dir`` on ``run_dir``'s evaluation problems (its task,
     ``run.eval_problems``, ``run.eval_greedy``), decoded with a dense cache and with ``policy``
     (R-KV by default) at ``budget`` (the run's other KV settings; a DistillSparse run's sparse
-    decode with the adapter saved beside the model), and the mean peak KV bytes per sequence of each."""
+    decode with the adapter saved beside the model), and the mean peak KV bytes per sequence of
+    each."""
     from actors.config import KVPolicy
     from actors.rollout import RolloutActor
     from launch.config import load_config
@@ -101,12 +105,11 @@ def markdown(result: dict) -> str:
             *(cell(c) for c in ("reward_last", "agreement_mean", "agreement_p5", "k3",
                                 "frac_rejected", "frac_vetoed", "kv_bytes_vs_dense",
                                 "rollout_s_vs_dense"))]) + " |")
-    policy = {"rkv": "R-KV", "h2o": "H2O", "snapkv": "SnapKV"}.get(result.get("policy", "rkv"),
-                                                                  result.get("policy"))
+    policy = POLICY_NAMES.get(result.get("policy", "rkv"), result.get("policy"))
     lines.append("\nacc: held-out accuracy of the trained model decoded with a dense cache / with "
-                 f"{policy} at the budget (the dense arm's one model is decoded at every budget). KV vs "
-                 "dense: peak KV bytes per sequence of the arm's rollout policy over a dense cache. "
-                 "agreement, k3, rejected, vetoed: means over training steps.")
+                 f"{policy} at the budget (the dense arm's one model is decoded at every budget). "
+                 "KV vs dense: peak KV bytes per sequence of the arm's rollout policy over a dense "
+                 "cache. agreement, k3, rejected, vetoed: means over training steps.")
     for m in result["missing"]:
         lines.append(f"\n- missing arm `{m['arm']}`: {m['reason']}")
     for f in result["failed"]:

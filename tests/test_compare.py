@@ -13,7 +13,7 @@ from conftest import train_env
 from PIL import Image
 
 from bench.compare import ARMS, has_key, parse, plan
-from bench.compare_eval import aggregate
+from bench.compare_eval import aggregate, markdown
 
 REPO = Path(__file__).resolve().parent.parent
 ROW_KEYS = {"arm", "budget", "seed", "acc_dense_decode", "acc_sparse_decode", "acc_base",
@@ -44,6 +44,10 @@ def test_policy_reaches_every_sparse_arm_and_never_the_dense_one():
     assert parse(["--policy", "h2o"]).policy == "h2o" and parse([]).policy == "rkv"
     with pytest.raises(SystemExit):
         parse(["--policy", "dense"])      # the dense arm is the reference, not a sparse policy
+    empty = {"command": "c", "wall_s": 1, "budgets": [40], "seeds": [0], "summary": [],
+             "missing": [], "failed": []}
+    assert "with H2O at the budget" in markdown({**empty, "policy": "h2o"})
+    assert "with R-KV at the budget" in markdown(empty)      # results saved before --policy
 
 
 def test_aggregate_mean_and_spread():
