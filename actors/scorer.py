@@ -30,6 +30,7 @@ from __future__ import annotations
 import pyarrow as pa
 import torch
 
+from common.devices import assigned_device
 from common.dtypes import torch_dtype
 from common.modeling import checksum, load_model, load_tokenizer, token_logprobs
 from actors.weights import ReceivesWeights
@@ -107,7 +108,7 @@ class ScorerActor(ReceivesWeights):
         torch.set_num_threads(1)  # one thread per actor process: 2-core machines oversubscribe
         self.cfg, self.model_path, self.temperature = cfg, str(model_path), float(temperature)
         self.micro_batch = int(cfg.micro_batch)
-        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        self.device = assigned_device()  # Ray's GPUs, not the visible ones (common/devices.py)
         self.model = load_model(model_path, dtype=_dtype(cfg)).to(self.device)
         self.pad_id = pad_token_id(load_tokenizer(model_path))  # the rule every part pads by
         self.ref = None

@@ -47,8 +47,13 @@ def make_process_group(backend: str, store, rank: int, world_size: int, timeout:
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
     import torch
 
-    if not hasattr(dist, "ProcessGroupNCCL") or not torch.cuda.is_available():
-        raise RuntimeError("weight sync backend 'nccl' needs a CUDA build of torch and a GPU")
+    from common.devices import assigned_device
+
+    # assigned, not merely visible: a 0-GPU Ray actor still sees the node's GPUs
+    if not hasattr(dist, "ProcessGroupNCCL") or assigned_device().type != "cuda":
+        raise RuntimeError("weight sync backend 'nccl' needs a CUDA build of torch and a GPU "
+                           "assigned to this process (cluster.*_gpus >= 1), or "
+                           "cluster.weight_sync_backend=gloo")
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     with _ENV_LOCK:

@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from common.devices import assigned_device
 from common.dtypes import Dtype
 from learner.config import LearnerConfig, LRSchedule
 
@@ -51,8 +52,22 @@ def _set_dist_env(rank: int, world_size: int, local_rank: int, addr: str, port: 
                        "MASTER_ADDR": addr, "MASTER_PORT": str(port)})
 
 
+def use_assigned_device() -> str:
+    """Point DeepSpeed at the device Ray assigned this rank and return the default group's backend
+    (nccl on a GPU, else gloo), both from ``common.devices.assigned_device``.
+
+    A rank given no GPUs may still see them (Ray leaves CUDA_VISIBLE_DEVICES alone then): by
+    ``torch.cuda.is_available()`` it would form an NCCL group and DeepSpeed would pick its CUDA
+    accelerator and move the model onto a GPU. DeepSpeed reads DS_ACCELERATOR once, at its first
+    ``get_accelerator()``: call this before importing deepspeed.
+    """
+    device = assigned_device()
+    os.environ["DS_ACCELERATOR"] = device.type  # "cuda" or "cpu": both DeepSpeed accelerator names
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def _init_default_group(rank: int, world_size: int, addr: str, port: int,
-                        listen_sock: int | None = None):
+                        listen_sock: int | None = None, backend: str = "gloo"):
     """Create DeepSpeed's default process group ourselves, its store listening on ``addr`` only.
 
     ``init_process_group(init_method="env://")`` (what DeepSpeed would do) starts a TCPStore server
@@ -70,7 +85,6 @@ def _init_default_group(rank: int, world_size: int, addr: str, port: int,
     sock = (listen_fd(addr, port) if listen_sock is None else listen_sock) if rank == 0 else None
     server = {"master_listen_fd": sock} if rank == 0 else {}
     store = dist.TCPStore(addr, port, world_size, is_master=(rank == 0), **server)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from common.devices import assigned_device
 from common.dtypes import torch_dtype
 from common.modeling import abs_sum, checksum_of_sums, load_model, token_logprobs
 from learner.batch import PREPARED, combine_weighted
@@ -44,7 +45,7 @@ from learner.guard import (GRAD, LOSS, discard_grads, nonfinite_optimizer_state,
 from learner.config import LearnerConfig
 from learner.engine_setup import (_check_no_dropout, _disable_shm_comm, _init_default_group,
                                    _param_groups, _reset_adam_step_counts, _set_dist_env,
-                                   deepspeed_config, lr_lambda)
+                                   deepspeed_config, lr_lambda, use_assigned_device)
 
 
 class PolicyForward(torch.nn.Module):
@@ -84,7 +85,8 @@ class Learner:
         self.version = 0
         torch.set_num_threads(cfg.num_threads)
         if local_rank is None:  # under Ray each GPU actor sees one device; elsewhere rank-per-GPU
-            local_rank = rank % torch.cuda.device_count() if torch.cuda.device_count() > 1 else 0
+            gpus = torch.cuda.device_count() if assigned_device().type == "cuda" else 0
+            local_rank = rank % gpus if gpus > 1 else 0
         self.local_rank = local_rank
         self._sender = self._endpoint = self._ws_endpoint = None
         self._distill_cfg, self.distill = distill, None  # the adapter is built in ``start``
@@ -110,7 +112,8 @@ class Learner:
         _set_dist_env(rank, world_size, self.local_rank, master_addr, master_port)
         fd = self._endpoint.fd if self._endpoint is not None else None
         self._endpoint = None  # the store owns the socket from here on
-        _init_default_group(rank, world_size, master_addr, master_port, fd)
+        backend = use_assigned_device()  # before deepspeed's import: it fixes its accelerator
+        _init_default_group(rank, world_size, master_addr, master_port, fd, backend)
 
         import deepspeed
 
@@ -381,8 +384,9 @@ class Learner:
         Refuses (``check_finite``) non-finite weights or optimiser state before writing."""
         self.check_finite()
         tag = f"v{self.version}"
+        on_gpu = self.engine.device.type == "cuda"  # a CPU rank on a GPU node leaves CUDA alone
         rng = {"torch": torch.get_rng_state(),
-               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+               "cuda": torch.cuda.get_rng_state_all() if on_gpu else None}
         self.engine.save_checkpoint(str(path), tag=tag,
                                     client_state={"version": self.version, "rng": rng})
         if self.distill is not None and self.rank == 0:  # replicated on every rank
@@ -401,7 +405,7 @@ class Learner:
         rng = client.get("rng") or {}
         if rng.get("torch") is not None:
             torch.set_rng_state(rng["torch"])
-        if rng.get("cuda") is not None and torch.cuda.is_available():
+        if rng.get("cuda") is not None and self.engine.device.type == "cuda":
             torch.cuda.set_rng_state_all(rng["cuda"])
         return self.version
 

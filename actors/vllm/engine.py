@@ -51,6 +51,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ADAPTER, ADAPTER_ID = "distill_sparse", 1     # the one LoRA adapter an engine serves
 
 
+def _check_gpu_assigned(cpu: bool) -> None:
+    """A CUDA build of vLLM in a process Ray gave no GPU would still find the node's GPUs (Ray
+    leaves CUDA_VISIBLE_DEVICES alone then) and take memory on one another actor owns."""
+    from common.devices import assigned_device
+
+    if not cpu and assigned_device().type != "cuda":
+        raise ConfigError("cluster.rollout_gpus", 0, ">= 1 with a CUDA build of vLLM (this "
+                          "rollout actor was assigned no GPU); or the CPU build (make vllm)")
+
+
 class VLLMEngine:
     def __init__(self, model_path: str | Path, kv: KVConfig | None = None, batch_size: int = 64,
                  dtype: str = "float32", kv_cache_bytes: int | None = None,
@@ -154,6 +164,7 @@ class VLLMEngine:
         from common.modeling import HF_LOAD
 
         cpu = current_platform.is_cpu()
+        _check_gpu_assigned(cpu)
         max_model_len = self._check_max_model_len(max_model_len)
         self._check_tensor_parallel(cpu)
         kwargs = dict(
