@@ -59,6 +59,9 @@ at the same batch, and at equal pool bytes >= 3x its requests running at once (m
 its tokens/s; a row the run lacks prints MISSING (never PASS). Then one INFO line per
 equal-memory row ("sparse at equal KV memory: X.XXx dense tokens/s"), which no bar judges.
 
+``--device cuda`` or ``--shape``: the GPU bench instead (``bench/rollout_gpu.py``: the native engine
+at the paper's settings on public Qwen2.5 shapes with random weights, HF static in the same run).
+
 Models: ``tiny`` = ``.cache/models/tiny-base`` when present, else a random-weight Qwen2 of the same
 size class (hidden 256, 4 layers); ``mid`` = a random-weight model of the tiny model's architecture
 with ~75M parameters (hidden 768, 12 layers). Timings on a shared CPU are noisy; compare ratios.
@@ -439,6 +442,11 @@ def parse(argv=None):
                     help="shortest gen_len with equal-pool rows")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=2, help="rounds; each row keeps its best")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the GPU bench at the paper's settings (bench/rollout_gpu.py; its "
+                         "options: --device cuda --help)")
+    ap.add_argument("--shape", help="public Qwen2.5 shapes, random weights (bench/rollout_gpu.py); "
+                                    "with --device cpu runs its rows on the CPU")
     args = ap.parse_args(argv)
     if args.quick:
         args.models, args.lengths, args.budgets = "tiny", "256,1024", "0.25"
@@ -453,6 +461,14 @@ def parse(argv=None):
 
 
 def main(argv=None) -> list[dict]:
+    pre = argparse.ArgumentParser(add_help=False)   # which bench: --help then lists its options
+    pre.add_argument("--device", default="cpu")
+    pre.add_argument("--shape")
+    known, _ = pre.parse_known_args(argv)
+    if known.device != "cpu" or known.shape:
+        from bench import rollout_gpu
+
+        return rollout_gpu.main(argv)
     args = parse(argv)
     print(HEADER, flush=True)
     rows = bench(args)

@@ -12,6 +12,9 @@ The one test-model builder of the project. Every family is built from transforme
 |           |              | in generation_config.json, a chat template; GQA 4                       |
 | "gqa"     | Qwen2Config  | GQA 4 (4 query heads per KV head), head_dim 32                          |
 
+``random_model(family, device, dtype, seed, **overrides)`` builds the same model in memory, directly
+on ``device`` in ``dtype`` (nothing written: benchmarks of public shapes, e.g. Qwen2.5-1.5B on a
+GPU, in ``bench/rollout_gpu.py``).
 ``build_model(out_dir, family, seed, tokenizer=True, **overrides)`` saves the weights, the project's
 character tokenizer (``tasks/tokenizer.py``; the llama3 family's has no pad token, an extra ``<eot>``
 special and a Llama-3-style chat template) and HF's ``generation_config.json``. Overrides use the HF
@@ -102,3 +105,18 @@ def build_model(out_dir: str | Path, family: str = "tiny", seed: int = 0, tokeni
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(str(out))   # also writes generation_config.json (eos ids from cfg)
     return out
+
+
+def random_model(family: str = "tiny", device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
+    """A random-weight ``family`` model with ``overrides``, in eval mode, built in memory directly
+    on ``device`` in ``dtype``. Creating the parameters there (instead of on the CPU and moving
+    them) spares a multi-GB host copy and a CPU-speed init; HF's own init (normal with std
+    ``initializer_range``, 0.02) then runs on the device from ``seed``."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = model_config(family, **overrides)
+    torch.manual_seed(seed)   # seeds the CUDA generators too
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval()
