@@ -113,7 +113,7 @@ def measure(engine, batches=(4, 16, 32), kv_lens=(16, 32, 64, 128, 256, 384), re
             ) -> list[dict]:
     """Time the engine's decode step and compression on caches of random keys (what they cost
     does not depend on the values). Every other kv length is held out of the fit."""
-    from actors.native.kvcache import KVStore
+    from actors.native.kvcache import KVPool
     from actors.native.model import RopeTable
 
     dec, dev, kv_cfg = engine.dec, engine.device, engine.kv
@@ -124,27 +124,28 @@ def measure(engine, batches=(4, 16, 32), kv_lens=(16, 32, 64, 128, 256, 384), re
     points = []
     for batch in batches:
         for j, kv in enumerate(kv_lens):
-            store = KVStore(dec.n_layers, batch, dec.n_kv, dec.n_heads, dec.head_dim, kv + 1,
-                            dec.dtype, need_acc=need_acc, obs_window=window, device=dev)
-            for t in store.k + store.v + (store.qwin or []):
+            pool = KVPool(dec.n_layers, batch, dec.n_kv, dec.n_heads, dec.head_dim, kv + 1,
+                          dec.dtype, need_acc=need_acc, obs_window=window, device=dev)
+            for t in (pool.k, pool.v) + ((pool.qwin,) if window else ()):
                 t.normal_()
-            for p in store.pos:
-                p.copy_(torch.arange(kv + 1, device=dev).expand_as(p))
-            seen = torch.full((batch,), kv, dtype=torch.long)
-            tok = torch.zeros(batch, dtype=torch.long, device=dev)
+            pool.pos.copy_(torch.arange(kv + 1, device=dev).expand_as(pool.pos))
+
+            def reset(kv=kv, pool=pool):
+                pool.n.fill_(kv)
+                pool.seen.fill_(kv)
+
             points.append(_timed("step", batch, kv, j % 2 == 1, repeats, lambda: (
-                store.n.fill_(kv), engine._decode_step(tok, seen, store, rope))))
+                reset(), engine.stepper(dec, pool, rope, batch, kv, need_acc))))
             keep = max(1, min(kv - kv_cfg.compress_every, kv - 1, kv // 2 + window), window)
-            rows = torch.arange(batch)
             points.append(_timed("compress", batch, kv, j % 2 == 1, repeats, lambda: (
-                store.n.fill_(kv), _compress_to(engine, store, rows, seen, keep))))
+                reset(), _compress_to(engine, pool, batch, keep))))
     return points
 
 
-def _compress_to(engine, store, rows, seen, keep: int) -> None:
-    plen = torch.zeros(len(rows), dtype=torch.long)
+def _compress_to(engine, pool, rows: int, keep: int) -> None:
+    n, seen = pool.n[:rows], pool.seen[:rows]
     for i in range(engine.dec.n_layers):
-        engine._compress_layer(store, i, rows, seen[rows], keep, plen)
+        engine._compress_layer(pool, i, rows, n, seen, keep, None)
 
 
 def _timed(kind, batch, kv, held_out, repeats, fn) -> dict:

@@ -1,6 +1,7 @@
 """Tests that need CUDA (``pytest -m gpu``, ``make test-gpu``); skipped without a GPU (conftest.py).
 
-* native engine on CUDA: dense bf16 log-probs vs the HF forward; sparse generation in fp32 exact
+* native engine on CUDA: dense bf16 log-probs vs the HF forward; the CUDA-graph decode step equal
+  to the eager one (issue 27); sparse generation in fp32 exact
   vs teacher forcing under the recorded kept sets (as tests/test_kv_engine.py on CPU), and in bf16
   within bf16 noise; probes (issue 14): replay at per-bin budgets, alpha vs the dense reference;
 * dense scorer on CUDA in bf16: the frozen reference and the batch-composition tolerance;
@@ -81,6 +82,41 @@ def test_native_sparse_logprobs_are_the_sparse_policys_on_cuda(tiny, policy, dty
         assert torch.isfinite(rec).all()
         sparse = recompute_logprobs(model, prompt, o.response_ids, o.trace, 0.9, k, p)
         assert (sparse.float() - rec).abs().max() < tol
+
+
+@pytest.mark.parametrize("policy", ["dense", "h2o", "rkv"])
+def test_cuda_graph_steps_equal_eager_steps(tiny, policy):
+    """Issue 27: the captured step (auto on CUDA) gives the eager step's tokens and log-probs in
+    fp32, through compressions, rows leaving on stop tokens, refills (batch_size 2: buckets 2 and
+    1) and a second call that replays the graphs captured by the first; an in-place weight load
+    reaches the replayed graphs."""
+    from actors.native import NativeEngine
+
+    model = _cuda(tiny, torch.float32)
+    kv = KVConfig(policy=policy, budget=12, compress_every=5, sink_tokens=2, obs_window=4,
+                  pool_kernel=3)
+    prompts = PROMPTS + [[3, 4, 5, 6]]
+    params = SamplingParams(max_new_tokens=24, temperature=0.9, seed=2, stop_token_ids=(7, 11))
+    eager = NativeEngine(model, kv, batch_size=2, step="eager")
+    graphs = NativeEngine(model, kv, batch_size=2)
+    assert graphs.stepper.resolve(torch.device("cuda")) == "graphs"
+
+    def same(a, b):
+        for x, y in zip(a, b):
+            assert x.response_ids == y.response_ids and x.finish_reason == y.finish_reason
+            assert max((abs(u - v) for u, v in zip(x.logprobs, y.logprobs)), default=0) < 1e-4
+
+    same(eager.generate(prompts, params), graphs.generate(prompts, params))
+    captured = len(graphs.stepper.graphs)
+    assert captured >= 1
+    same(eager.generate(prompts, params), graphs.generate(prompts, params))
+    assert len(graphs.stepper.graphs) == captured                  # replayed, not re-captured
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.01)
+    eager.load_weights([], 1)
+    graphs.load_weights([], 1)
+    same(eager.generate(prompts, params), graphs.generate(prompts, params))
 
 
 def test_probe_replay_and_agreement_on_cuda(tiny):

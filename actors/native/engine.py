@@ -13,21 +13,27 @@ One call to ``generate`` runs the prompts in batches of ``batch_size``. Per batc
    ``budget + compress_every`` tokens per layer. ``budget`` is the one of the position bin the row
    is about to write (``rollout.kv.budgets`` per ``bin_tokens`` positions, ``set_budgets``; a
    static budget is the one-bin case); rows in different bins compress separately, and
-   ``GenerationOutput.bin_budgets`` records the budget of every bin a sequence reached. Rows that emit a stop token or reach
-   ``max_new_tokens`` leave the batch at once (the cache rows are dropped). Stop strings
+   ``GenerationOutput.bin_budgets`` records the budget of every bin a sequence reached. The step
+   itself (``step.py``) has fixed shapes and never waits for the device: the host mirrors every
+   row's slot count and position by arithmetic (``batch.py``) and decides from that which rows
+   compress or finish; the one device read of a step is its sampled tokens, and only when stop
+   tokens or stop strings are in play. On CUDA the step is replayed as a CUDA graph.
+   Rows that emit a stop token or reach ``max_new_tokens`` leave the batch at once: the last live
+   rows move into their slots (``kvcache.KVPool.move_rows``). Stop strings
    (``SamplingParams.stop``) are matched by decoding each row's tail (``stops.py``): the token that
    completes one ends the row like a stop token (kept, finish_reason "stop").
 3. Continuous batching: at most ``batch_size`` rows decode together; once half of them have left,
-   waiting prompts are prefilled (step 1) and their rows are appended to the running batch.
+   waiting prompts are prefilled (step 1) into the free rows of the pool.
 
 Log-probs are those of the distribution each token was sampled from (``sampling.py``). Memory: the
-preallocated cache holds ``rows * cap`` tokens, cap = ``budget + compress_every`` (sparse) or
-``longest prompt + max_new_tokens`` (dense); ``GenerationOutput.peak_kv_bytes`` is the most tokens a
-sequence had stored (all layers, K and V); ``last_stats`` has the batch's ``allocated_kv_bytes``
-(max over the call), ``peak_kv_bytes`` (most tokens stored at once by all live rows) and
-``attended_slots`` (KV slots a decode step reads per row, on average: what attention costs).
-Transient extras not counted there: one layer's full prompt KV while a long prompt is compressed at
-prefill, and both the old and new row sets for the moment of a refill's concatenation.
+slot pool, allocated once per call (kept between calls of the same shape when the step is
+captured), holds ``rows * cap`` tokens, rows = min(batch_size, prompts) (bucketed when captured),
+cap = ``budget + compress_every`` (sparse) or ``longest prompt + max_new_tokens`` (dense);
+``GenerationOutput.peak_kv_bytes`` is the most tokens a sequence had stored (all layers, K and
+V); ``last_stats`` has the pool's ``allocated_kv_bytes``, ``peak_kv_bytes`` (the most bytes held
+at once by all live rows' valid slots) and ``attended_slots`` (KV slots a decode step reads per
+row, on average: what attention costs). Transient extras not counted there: one layer's full
+prompt KV while a long prompt is compressed at prefill.
 Dtype: the model's (``rollout.dtype``); the cache is stored in it. In bf16 the logits are cast to
 float32 before sampling, so log-probs are float32 everywhere, and attention keeps its softmax in
 float32 (on the CPU its scores too: ``model.cpu_low_precision``).
@@ -41,20 +47,23 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from actors.config import KVConfig, KVPolicy
 from actors.engine import GenerationOutput, SamplingParams
 from actors.native import policies
-from actors.native.kvcache import KVStore
-from actors.native.model import Decoder, RopeTable, attend, decode_attend
+from actors.native.batch import BatchState
+from actors.native.kvcache import KVPool
+from actors.native.model import Decoder, RopeTable, attend
 from actors.native.sampling import sample, truncate
+from actors.native.step import StepRunner
 from actors.native.stops import StopMatcher, tokenizer_decoder
 
 
 class NativeEngine:
     def __init__(self, model, kv: KVConfig | None = None, batch_size: int = 64, trace: bool = False,
-                 decode: Callable[[list[int]], str] | None = None):
+                 decode: Callable[[list[int]], str] | None = None, step: str = "auto"):
         self.model = model
         # ids -> text, only for stop strings; default: the tokenizer saved with the model's weights
         # (HF records the directory in ``name_or_path``), loaded the first time a stop string is used
@@ -69,17 +78,18 @@ class NativeEngine:
         self.version = 0
         self.device = next(model.parameters()).device
         self.last_stats: dict = {}
+        self.stepper = StepRunner(step)     # eager, compiled, or CUDA graphs (step.py)
+        self._kept_pool, self._rope = None, None
 
     @classmethod
     def from_config(cls, cfg, model_path: str) -> "NativeEngine":
-        """Load the model (on the GPU when the process has one, else the CPU) for ``cfg``."""
+        """Load the model for ``cfg`` on the device Ray assigned this process (a GPU only when it
+        was given one: ``common.devices``), else the CPU."""
+        from common.devices import assigned_device
+        from common.dtypes import torch_dtype
         from common.modeling import load_model
 
-        from common.dtypes import torch_dtype
-
-        model = load_model(model_path, dtype=torch_dtype(cfg.dtype))
-        if torch.cuda.is_available():
-            model = model.to("cuda")
+        model = load_model(model_path, dtype=torch_dtype(cfg.dtype)).to(assigned_device())
         return cls(model, cfg.kv, cfg.batch_size, decode=tokenizer_decoder(model_path))
 
     # ---- weights -------------------------------------------------------------------------------
@@ -111,11 +121,11 @@ class NativeEngine:
         kv.validate("rollout.kv")
         self.kv, self.budgets = kv, kv.bin_budgets()
 
-    def budget_at(self, position: torch.Tensor) -> torch.Tensor:
+    def budget_at(self, position: np.ndarray) -> np.ndarray:
         """Budget in force for rows about to write ``position`` [R] (host): its bin's budget, the
         last bin's beyond the schedule."""
-        table = torch.tensor(self.budgets, dtype=torch.long)
-        return table[(position // self.kv.bin_tokens).clamp(max=len(self.budgets) - 1)]
+        table = np.array(self.budgets, dtype=np.int64)
+        return table[np.minimum(np.asarray(position) // self.kv.bin_tokens, len(table) - 1)]
 
     # ---- generation ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -154,10 +164,12 @@ class NativeEngine:
             scaled = logits.float() / (params.temperature or 1.0)
             logp = torch.log_softmax(truncate(scaled, params.top_k, params.top_p)
                                      if params.temperature else scaled, dim=-1)
-            ids, steps = st.ids.tolist(), st.count[st.ids]
-            tok = torch.stack([forced[o][int(c)] for o, c in zip(ids, steps)]).to(logits.device)
-            out = logp if against is None else tv_agreement(logp, against.at(st.ids, steps))
-            for j, o in enumerate(ids):
+            ids, steps = st.ids, st.count[st.ids]
+            tok = torch.stack([forced[o][c] for o, c in zip(ids.tolist(), steps.tolist())])
+            tok = tok.to(logits.device)
+            out = logp if against is None else tv_agreement(
+                logp, against.at(torch.from_numpy(ids), torch.from_numpy(steps)))
+            for j, o in enumerate(ids.tolist()):
                 kept[o].append(out[j].cpu())
             return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
@@ -172,50 +184,65 @@ class NativeEngine:
         self.dec.refresh()
         dev = self.device = next(self.model.parameters()).device
         longest = max(max_new, default=0)
-        st = _BatchState(prompts, max_new, dev, self.trace, self._stops(params))
+        st = BatchState(prompts, max_new, dev, self.trace, self._stops(params),
+                        params.stop_token_ids)
         if not prompts or longest <= 0:
             return st.outputs(0)
-        cap = self._capacity(max(len(p) for p in prompts), longest)
-        rope = RopeTable(self.dec, max(len(p) for p in prompts) + longest, dev)
-        stop = torch.tensor(sorted(set(int(t) for t in params.stop_token_ids)), dtype=torch.long,
-                            device=dev)
-        queue = list(range(len(prompts)))
-        store, logits, seen, allocated = None, None, None, 0
+        lmax = max(len(p) for p in prompts)
+        pool = self._pool(min(self.batch_size, len(prompts)), self._capacity(lmax, longest))
+        rope = self._rope_table(lmax + longest)
+        queue, logits = list(range(len(prompts))), None
         while True:
-            live = 0 if store is None else len(st.ids)
+            live = st.live
             if queue and live <= self.batch_size // 2:
                 take, queue = queue[:self.batch_size - live], queue[self.batch_size - live:]
-                new, new_logits, lens = self._admit(prompts, take, cap, st)
-                if store is None:
-                    store, logits, seen = new, new_logits, lens
-                else:
-                    store.extend(new)
-                    logits, seen = torch.cat([logits, new_logits]), torch.cat([seen, lens])
-                allocated = max(allocated, store.allocated_bytes())
-            if store is None:
+                new_logits = self._admit(prompts, take, pool, st)
+                logits = new_logits if live == 0 else torch.cat([logits[:live], new_logits])
+            if st.live == 0:
                 break
             tok, lp = pick(logits, st)
-            alive = st.record(tok, lp, stop)
-            if not bool(alive.all()):
-                rows = alive.nonzero().squeeze(-1)
-                st.keep_rows(rows)
-                if rows.numel() == 0:
-                    store = None
+            st.record(pool, tok, lp)
+            done = st.finished(tok)
+            if done.any():
+                st.retire(pool, done)
+                if st.live == 0:
                     continue
-                store.keep_rows(rows)
-                tok, seen = tok[rows.to(dev)], seen[rows]
-            full = (store.n >= self._limit(seen)).nonzero().squeeze(-1)
-            if full.numel():
-                self._compress(store, full, seen, st)
-            logits = self._decode_step(tok, seen, store, rope)
-            st.account(st.ids, store.n, seen + 1)
-            seen = seen + 1
+            full = np.flatnonzero(st.n >= self._limit(st.seen))
+            if len(full):
+                self._compress(pool, full, st)
+            logits = self.stepper(self.dec, pool, rope, st.live, int(st.n.max()),
+                                  self.policy == KVPolicy.h2o)
+            st.advance()
         outs = st.outputs(self.bytes_per_token, self._bins_used)
-        self.last_stats = {"allocated_kv_bytes": allocated, "peak_kv_bytes": st.peak_total,
+        self.last_stats = {"allocated_kv_bytes": pool.allocated_bytes(),
+                           "peak_kv_bytes": st.peak_total * self.bytes_per_token,
                            "tokens": sum(len(o.response_ids) for o in outs),
                            "attended_slots": st.attended / max(1, st.decode_rows),
                            "time_s": time.perf_counter() - t0}
         return outs
+
+    def _pool(self, rows: int, cap: int) -> KVPool:
+        """The slot pool of a call. A captured step (CUDA graphs, compile) keeps it for the next
+        call of the same shape, so its graphs stay valid; eager calls allocate their own."""
+        dec, pol = self.dec, self.policy
+        spec = (self.stepper.pool_rows(rows, self.device), cap, pol == KVPolicy.h2o,
+                self.kv.obs_window if pol in (KVPolicy.snapkv, KVPolicy.rkv) else 0,
+                self.device, dec.dtype, dec.n_layers, dec.n_kv, dec.n_heads, dec.head_dim)
+        if self._kept_pool is not None and self._kept_pool[0] == spec:
+            return self._kept_pool[1]
+        self._kept_pool = None              # free the old one first
+        pool = KVPool(dec.n_layers, spec[0], dec.n_kv, dec.n_heads, dec.head_dim, cap, dec.dtype,
+                      need_acc=spec[2], obs_window=spec[3], device=self.device)
+        if self.stepper.resolve(self.device) != "eager":
+            self._kept_pool = (spec, pool)
+        return pool
+
+    def _rope_table(self, n: int) -> RopeTable:
+        """RoPE rows of positions [0, n); kept while long enough (captured graphs read it)."""
+        rope = self._rope
+        if rope is None or rope.n < n or rope.device != self.device or rope.dec is not self.dec:
+            rope = self._rope = RopeTable(self.dec, n, self.device)
+        return rope
 
     def _stops(self, params: SamplingParams) -> StopMatcher | None:
         stops = tuple(params.stop or ())
@@ -242,11 +269,11 @@ class NativeEngine:
             return lmax + max_new
         return min(max(self.budgets) + self.kv.compress_every, lmax + max_new)
 
-    def _limit(self, seen: torch.Tensor) -> torch.Tensor:
+    def _limit(self, seen: np.ndarray) -> np.ndarray:
         """Slots at which each row compresses before writing position ``seen``: its bin's budget
         plus ``compress_every`` (never for a dense cache)."""
         if self.policy == KVPolicy.dense:
-            return torch.full_like(seen, torch.iinfo(torch.long).max)
+            return np.full_like(seen, np.iinfo(np.int64).max)
         return self.budget_at(seen) + self.kv.compress_every
 
     def _bins_used(self, total: int) -> list[int]:
@@ -254,43 +281,37 @@ class NativeEngine:
         if self.policy == KVPolicy.dense:
             return []
         bins = -(-total // self.kv.bin_tokens)
-        return self.budget_at(torch.arange(bins) * self.kv.bin_tokens).tolist()
+        return self.budget_at(np.arange(bins) * self.kv.bin_tokens).tolist()
 
-    def _groups(self, rows: torch.Tensor, position: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    def _groups(self, rows: np.ndarray, position: np.ndarray) -> list[tuple[int, np.ndarray]]:
         """Rows (host indices) grouped by the budget in force at ``position`` [len(rows)]."""
         budget = self.budget_at(position)
-        return [(int(b), rows[budget == b]) for b in budget.unique().tolist()]
+        return [(int(b), rows[budget == b]) for b in np.unique(budget)]
 
-    def _admit(self, prompts, take: list[int], cap: int, st):
-        """Prefill prompts[take] into a new store; returns (store, next-token logits, lens)."""
-        dec = self.dec
-        store = KVStore(dec.n_layers, len(take), dec.n_kv, dec.n_heads, dec.head_dim, cap,
-                        dec.dtype, need_acc=self.policy == KVPolicy.h2o,
-                        obs_window=self.kv.obs_window if self.policy in (KVPolicy.snapkv,
-                                                                         KVPolicy.rkv) else 0,
-                        device=self.device)
-        ids = torch.tensor(take, dtype=torch.long)
-        st.admit(ids)
-        batch = [prompts[i] for i in take]
-        lens = torch.tensor([len(p) for p in batch])
-        return store, self._prefill(batch, lens, store, st, ids), lens.clone()
-
-    def _prefill(self, prompts, lens: torch.Tensor, store: KVStore, st, ids) -> torch.Tensor:
-        dec, b, lmax, dev = self.dec, len(prompts), int(lens.max()), self.device
+    def _admit(self, prompts, take: list[int], pool: KVPool, st: BatchState) -> torch.Tensor:
+        """Prefill prompts[take] into the free rows after the live ones; returns their first
+        next-token logits. A prompt longer than its bin's budget is compressed layer by layer
+        (only one layer's full prompt KV exists, in a scratch pool, before it is cut)."""
+        dec, dev, b, r0 = self.dec, self.device, len(take), st.live
+        lens = np.array([len(prompts[i]) for i in take], dtype=np.int64)
+        lmax = int(lens.max())
         tokens = torch.zeros(b, lmax, dtype=torch.long)
-        for r, p in enumerate(prompts):
-            tokens[r, :len(p)] = torch.tensor(p)
-        tokens, lens_d = tokens.to(dev), lens.to(dev)
+        for r, i in enumerate(take):
+            tokens[r, :lens[r]] = torch.tensor(prompts[i])
+        tokens, lens_d = tokens.to(dev), torch.tensor(lens, device=dev)
         positions = torch.arange(lmax, device=dev).expand(b, lmax)
         valid = positions < lens_d[:, None]
         mask = torch.ones(lmax, lmax, dtype=torch.bool, device=dev).tril()[None] & valid[:, None]
         mask = mask[:, None, None]                                  # [B,1,1,T,S]
         x = dec.embed(tokens)
         cos, sin = dec.rope(x, positions)
-        rows = (lens > self.budget_at(lens)).nonzero().squeeze(-1)
-        if self.policy == KVPolicy.dense:
-            rows = rows[:0]
-        groups = self._groups(rows, lens[rows])   # rows over their bin's budget, by budget
+        over = np.flatnonzero(lens > self.budget_at(lens))
+        groups = [] if self.policy == KVPolicy.dense else self._groups(over, lens[over])
+        groups = [(bud, part, torch.tensor(part, device=dev)) for bud, part in groups]
+        scratch = None if not groups else KVPool(
+            1, b, dec.n_kv, dec.n_heads, dec.head_dim, lmax, dec.dtype,
+            need_acc=pool.acc is not None, obs_window=pool.obs_window, device=dev)
+        protect = lens_d if self.kv.protect_prompt else None
         need_probs = self.policy == KVPolicy.h2o
         kept = [[] for _ in groups]
         for i in range(dec.n_layers):
@@ -300,153 +321,57 @@ class NativeEngine:
             acc = None
             if need_probs:                       # padded query rows must not add attention mass
                 acc = (probs * valid[:, None, None, :, None]).sum(dim=(2, 3))
-            # A prompt longer than the budget is compressed layer by layer: only this layer's full
-            # prompt KV exists (in `tmp`) before it is cut to the budget.
-            dst = store if not rows.numel() else KVStore(
-                1, b, dec.n_kv, dec.n_heads, dec.head_dim, lmax, dec.dtype,
-                need_acc=store.acc is not None, obs_window=store.obs_window, device=dev)
-            j = i if dst is store else 0
-            dst.write(j, k, v, pos, acc)
-            dst.fill_window(j, q, lens)
-            if dst is not store:
-                dst.n = lens.clone()
-                for g, (budget, part) in enumerate(groups):
-                    kept[g].append(self._compress_layer(dst, 0, part, lens[part], budget,
-                                                        st.plen(ids[part])))
-                store.copy_layer_from(i, dst, 0, min(lmax, store.cap))
+            dst, j, at = (pool, i, r0) if scratch is None else (scratch, 0, 0)
+            dst.write(j, at, k, v, pos, acc)
+            dst.fill_window(j, at, q, lens_d)
+            if scratch is not None:
+                for g, (budget, part, rows_d) in enumerate(groups):
+                    kept[g].append(self._compress_layer(
+                        scratch, 0, rows_d, lens_d[rows_d], lens_d[rows_d], budget,
+                        None if protect is None else protect[rows_d]))
+                pool.copy_rows_from(i, r0, scratch, min(lmax, pool.cap))
             x = dec.finish(i, x, out)
-        store.n = lens.clone()
-        for (budget, part), k in zip(groups, kept):
-            store.n[part] = budget
-            st.compressed(ids[part], lens[part] - 1, torch.stack(k, dim=1))
-        st.account(ids, store.n, lens, first=True)
+        n = lens.copy()
+        for budget, part, _ in groups:
+            n[part] = budget
+        rows = slice(r0, r0 + b)
+        pool.rowid[rows] = torch.tensor(take, device=dev)
+        pool.count[rows] = 0
+        pool.seen[rows] = lens_d
+        pool.n[rows] = torch.tensor(n, device=dev)
+        st.admit(np.array(take, dtype=np.int64), n, lens)
+        for (budget, part, _), k in zip(groups, kept):
+            st.compressed(r0 + part, torch.stack(k, dim=1))
         return dec.logits(x[torch.arange(b, device=dev), lens_d - 1])
 
-    def _decode_step(self, tok: torch.Tensor, seen: torch.Tensor, store: KVStore,
-                     rope: RopeTable) -> torch.Tensor:
-        """One token per row through every layer. Everything shared by the layers (RoPE rows, the
-        additive mask, the cache cells to write) is built once here; each layer then runs a few
-        fused kernels (``Decoder.step_qkv``, ``decode_attend``, ``Decoder.step_finish``)."""
-        dec, dev = self.dec, self.device
-        seen_d, slot = seen.to(dev), store.n.to(dev)
-        x = dec.embed(tok)
-        cos, sin = rope.at(seen_d)
-        n1 = store.n + 1
-        s = int(n1.max())
-        bias = torch.zeros(slot.shape[0], s, dtype=dec.dtype, device=dev).masked_fill_(
-            torch.arange(s, device=dev)[None] > slot[:, None], float("-inf"))
-        bias = bias.repeat_interleave(dec.n_kv, dim=0)[:, None]           # [B*Hkv,1,s]
-        index = store.step_index(slot, seen_d)
-        want = self.policy == KVPolicy.h2o
-        for i in range(dec.n_layers):
-            q, k, v = dec.step_qkv(i, x, cos, sin)
-            store.append_step(i, k, v, q, index)
-            out, probs = decode_attend(q, store.k[i], store.v[i], s, bias, dec.scaling, want)
-            if want:
-                store.acc[i][:, :, :s] += probs.sum(dim=2)
-            x = dec.step_finish(i, x, out)
-        store.n = n1
-        return dec.step_logits(x)
-
-    def _compress_layer(self, store: KVStore, i: int, rows: torch.Tensor, seen: torch.Tensor,
-                        budget: int, plen: torch.Tensor) -> torch.Tensor:
-        """Cut layer i of the given rows (host indices) to ``budget`` slots chosen by the policy;
-        returns the kept absolute positions [R,Hkv,budget]. ``seen`` [R]: tokens processed;
-        ``plen`` [R]: prompt lengths (kept first with ``kv.protect_prompt``)."""
-        rows_d = rows.to(self.device)
-        protect = plen.to(self.device) if self.kv.protect_prompt else None
-        view = policies.layer_view(store, i, rows_d, seen.to(self.device), self.dec, protect)
+    def _compress_layer(self, pool: KVPool, i: int, rows, n: torch.Tensor, seen: torch.Tensor,
+                        budget: int, protect: torch.Tensor | None) -> torch.Tensor:
+        """Cut layer i of the given rows (device indices, or an int m: rows [0, m)) to ``budget``
+        slots chosen by the policy: a few batched calls whatever the number of rows or heads.
+        Returns the kept absolute positions [R,Hkv,budget]. ``n``, ``seen`` [R]: valid slots and
+        tokens processed; ``protect`` [R]: prompt lengths (kept first with
+        ``kv.protect_prompt``)."""
+        view = policies.layer_view(pool, i, rows, n, seen, self.dec.scaling, protect)
         idx = policies.select(self.policy, self.kv, budget, view)
-        store.gather_rows(i, rows_d, idx)
-        return store.pos[i][rows_d, :, :budget]
+        rows_d = torch.arange(rows, device=self.device) if isinstance(rows, int) else rows
+        pool.gather_rows(i, rows_d, idx)
+        return pool.pos[i, :rows, :, :budget] if isinstance(rows, int) else \
+            pool.pos[i].index_select(0, rows_d)[:, :, :budget]
 
-    def _compress(self, store: KVStore, rows: torch.Tensor, seen: torch.Tensor, st) -> None:
-        """Compress the given rows of every layer to their bin's budget (decode time)."""
-        for budget, part in self._groups(rows, seen[rows]):
-            plen = st.plen(st.ids[part])
-            kept = [self._compress_layer(store, i, part, seen[part], budget, plen)
+    def _compress(self, pool: KVPool, full: np.ndarray, st: BatchState) -> None:
+        """Compress the given live rows (host indices) of every layer to their bin's budget."""
+        for budget, part in self._groups(full, st.seen[full]):
+            rows = len(part) if len(part) == st.live else torch.tensor(part, device=self.device)
+            if isinstance(rows, int):
+                n, seen, rowid = pool.n[:rows], pool.seen[:rows], pool.rowid[:rows]
+            else:
+                n, seen, rowid = pool.n[rows], pool.seen[rows], pool.rowid[rows]
+            protect = st.plen_d[rowid] if self.kv.protect_prompt else None
+            kept = [self._compress_layer(pool, i, rows, n, seen, budget, protect)
                     for i in range(self.dec.n_layers)]
-            store.n[part] = budget
-            st.compressed(st.ids[part], seen[part] - 1, torch.stack(kept, dim=1))
-
-
-class _BatchState:
-    """Per-sequence bookkeeping of one ``generate`` call (indexed by prompt index): tokens and
-    log-probs on the device (read back once at the end); counts, kept ratio and peak KV on the host
-    (they follow from host-side slot counts). ``ids`` lists the prompt index of each live row."""
-
-    def __init__(self, prompts, max_new: int, device, trace: bool,
-                 stops: StopMatcher | None = None):
-        self.prompts, self.device, self.stops = prompts, device, stops
-        self.max_new = torch.tensor(max_new, dtype=torch.long)   # per row
-        self.prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-        b, width = len(prompts), max(1, max(max_new, default=1))
-        self.ids = torch.zeros(0, dtype=torch.long)
-        self.ids_d = self.ids.to(device)
-        self.tokens = torch.zeros(b, width, dtype=torch.long, device=device)
-        self.logps = torch.zeros(b, width, dtype=torch.float32, device=device)
-        self.count = torch.zeros(b, dtype=torch.long)
-        self.stopped = torch.zeros(b, dtype=torch.bool, device=device)
-        self.kept_sum = torch.zeros(b, dtype=torch.float64)
-        self.peak = torch.zeros(b, dtype=torch.long)
-        self.peak_total = 0
-        self.attended, self.decode_rows = 0, 0    # KV slots read by decode steps, row-steps
-        self.trace = [[] for _ in range(b)] if trace else None
-
-    def admit(self, ids: torch.Tensor) -> None:
-        self.ids = torch.cat([self.ids, ids])
-        self.ids_d = self.ids.to(self.device)
-
-    def record(self, tok, lp, stop: torch.Tensor) -> torch.Tensor:
-        """Store one token per live row; returns (host bool) which rows go on."""
-        c = self.count[self.ids]
-        c_d = c.to(self.device)
-        self.tokens[self.ids_d, c_d] = tok
-        self.logps[self.ids_d, c_d] = lp.float()
-        self.count[self.ids] = c + 1
-        is_stop = torch.isin(tok, stop)
-        if self.stops is not None:
-            hit = self.stops.hits(self.ids.tolist(), tok.tolist())
-            is_stop = is_stop | torch.tensor(hit, device=is_stop.device)
-        self.stopped[self.ids_d] = is_stop
-        return ~is_stop.cpu() & (c + 1 < self.max_new[self.ids])
-
-    def plen(self, ids: torch.Tensor) -> torch.Tensor:
-        """Prompt lengths of the given prompt indices (host)."""
-        return self.prompt_len[ids]
-
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        self.ids = self.ids[rows]
-        self.ids_d = self.ids.to(self.device)
-
-    def account(self, ids, n: torch.Tensor, attended_dense: torch.Tensor,
-                first: bool = False) -> None:
-        """After a forward: row r (prompt ids[r]) attended n[r] keys where dense would attend
-        attended_dense[r] (the prefill, which attends the whole prompt, counts as 1)."""
-        ratio = torch.ones(len(ids), dtype=torch.float64) if first else \
-            n.double() / attended_dense.double()
-        self.kept_sum[ids] += ratio
-        self.peak[ids] = torch.maximum(self.peak[ids], n)
-        if not first:
-            total = int(n.sum())
-            self.peak_total = max(self.peak_total, total)
-            self.attended += total
-            self.decode_rows += len(ids)
-
-    def compressed(self, ids, after_pos, kept_pos) -> None:
-        if self.trace is not None:
-            kept_pos = kept_pos.cpu()
-            for j, o in enumerate(ids.tolist()):
-                self.trace[o].append((int(after_pos[j]), kept_pos[j]))
-
-    def outputs(self, bytes_per_token: int, bins_used=lambda total: []) -> list[GenerationOutput]:
-        tokens, logps = self.tokens.cpu().tolist(), self.logps.cpu().tolist()
-        stopped, count = self.stopped.cpu().tolist(), self.count.tolist()
-        return [GenerationOutput(
-            prompt_ids=list(self.prompts[o]), response_ids=tokens[o][:count[o]],
-            logprobs=logps[o][:count[o]], finish_reason="stop" if stopped[o] else "length",
-            kept_ratio=float(self.kept_sum[o]) / max(1, count[o]),
-            peak_kv_bytes=int(self.peak[o]) * bytes_per_token,
-            trace=self.trace[o] if self.trace is not None else [],
-            bin_budgets=bins_used(len(self.prompts[o]) + count[o]))
-            for o in range(len(self.prompts))]
+            if isinstance(rows, int):
+                pool.n[:rows].fill_(budget)
+            else:
+                pool.n.index_fill_(0, rows, budget)
+            st.n[part] = budget
+            st.compressed(part, torch.stack(kept, dim=1) if st.trace is not None else None)

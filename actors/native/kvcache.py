@@ -1,134 +1,157 @@
-"""Preallocated, compressible KV cache for a batch of sequences.
+"""Preallocated slot pool of a generation: the KV cache of every row, allocated once per shape.
 
-Per layer: keys and values ``[B, Hkv, cap, D]`` (keys stored after RoPE), the absolute position of
-every slot ``[B, Hkv, cap]`` (per KV head, because score-based policies keep different tokens in
-different heads), plus what the policy needs: accumulated attention (H2O) and a ring of the last
-``obs_window`` queries (SnapKV, R-KV). ``n[b]`` slots of row b are valid in every layer and head; slots
-are kept in increasing position order. Capacity is ``budget + compress_every`` for compressing
-policies, so no row ever stores more than that many tokens per layer (not a mask over a full cache).
+One tensor per kind for all layers: keys and values ``[L, R, Hkv, cap, D]`` (keys stored after
+RoPE), the absolute position of every slot ``[L, R, Hkv, cap]`` (per KV head, because score-based
+policies keep different tokens in different heads), plus what the policy needs: accumulated
+attention ``[L, R, Hkv, cap]`` (H2O) and a ring of the last ``obs_window`` queries ``[L, R, Hq, w,
+D]`` (SnapKV, R-KV). Row r holds ``n[r]`` valid slots in every layer and head, kept in increasing
+position order; the engine keeps ``n`` on the device and mirrors it on the host by arithmetic.
+
+The shapes never change while a generation runs, so a decode step has fixed shapes (CUDA graphs,
+``torch.compile``) and no allocation: live rows are ``[0, live)``; a finished row is overwritten by
+the last live row (``move_rows``: one ``index_copy_`` per tensor, not a whole-cache
+``index_select``/``cat``), and admitted prompts are written into the free rows after them.
+Capacity is ``budget + compress_every`` for compressing policies (no row ever stores more) and
+``longest prompt + max_new_tokens`` for dense.
 """
 from __future__ import annotations
 
 import torch
 
 
-def _blocks(rows: torch.Tensor, heads: int, width: int) -> torch.Tensor:
-    """[R, heads] offset of each (row, head) block of ``width`` cells in a layer tensor viewed flat
-    as [B*heads*width] (rows index the batch)."""
+def blocks(rows: torch.Tensor, heads: int, width: int) -> torch.Tensor:
+    """[R, heads] offset of each (row, head) block of ``width`` cells in a [*, heads, width]
+    tensor viewed flat (``rows`` index its leading axis)."""
     return (rows[:, None] * heads + torch.arange(heads, device=rows.device)[None]) * width
 
 
-class KVStore:
-    def __init__(self, n_layers: int, batch: int, n_kv: int, n_heads: int, head_dim: int, cap: int,
+class KVPool:
+    def __init__(self, n_layers: int, rows: int, n_kv: int, n_heads: int, head_dim: int, cap: int,
                  dtype: torch.dtype, need_acc: bool = False, obs_window: int = 0,
                  device: torch.device | str = "cpu"):
-        shape = (batch, n_kv, cap, head_dim)
-        self.cap, self.dtype, self.device = cap, dtype, torch.device(device)
+        self.layers, self.rows, self.cap, self.dtype = n_layers, rows, cap, dtype
+        self.device, self.obs_window = torch.device(device), obs_window
+        shape = (n_layers, rows, n_kv, cap)
         z = lambda *sh, dt=dtype: torch.zeros(sh, dtype=dt, device=device)  # noqa: E731
-        self.k = [z(*shape) for _ in range(n_layers)]
-        self.v = [z(*shape) for _ in range(n_layers)]
-        self.pos = [z(batch, n_kv, cap, dt=torch.long) for _ in range(n_layers)]
-        self.acc = ([z(batch, n_kv, cap, dt=torch.float32) for _ in range(n_layers)]
-                    if need_acc else None)
-        self.obs_window = obs_window
-        self.qwin = ([z(batch, n_heads, obs_window, head_dim) for _ in range(n_layers)]
-                     if obs_window else None)
-        self.n = torch.zeros(batch, dtype=torch.long)       # valid slots per row, kept on the host
-        self.bytes_per_token = 2 * n_layers * n_kv * head_dim * torch.finfo(dtype).bits // 8
+        self.k, self.v = z(*shape, head_dim), z(*shape, head_dim)
+        self.pos = z(*shape, dt=torch.long)
+        self.acc = z(*shape, dt=torch.float32) if need_acc else None
+        self.qwin = z(n_layers, rows, n_heads, obs_window, head_dim) if obs_window else None
+        # row state, read and advanced by the decode step on the device: valid slots, position
+        # about to be written (tokens processed), input token; and where sampled tokens are
+        # recorded (prompt index, response length so far)
+        self.n, self.seen, self.tok, self.rowid, self.count = (z(rows, dt=torch.long)
+                                                               for _ in range(5))
 
-    def allocated_bytes(self) -> int:
-        """Bytes of the preallocated key and value tensors (all rows and layers)."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+    def shape_key(self) -> tuple:
+        """What a pool must match to be reused by another call (and its captured graphs)."""
+        return (self.layers, self.rows, self.k.shape[2], self.qwin is not None and
+                self.qwin.shape[2], self.cap, self.dtype, self.acc is not None, self.obs_window,
+                self.device, self.k.shape[-1])
 
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """Drop finished sequences: keep only the given batch rows (in that order)."""
-        rows_d = rows.to(self.device)
-        sel = lambda ts: None if ts is None else [t.index_select(0, rows_d) for t in ts]  # noqa
-        self.k, self.v, self.pos = sel(self.k), sel(self.v), sel(self.pos)
-        self.acc, self.qwin = sel(self.acc), sel(self.qwin)
-        self.n = self.n.index_select(0, rows)
+    def allocated_bytes(self, rows: int | None = None) -> int:
+        """Bytes of the key and value tensors of ``rows`` rows (default: all, as allocated)."""
+        per_row = 2 * self.k[0, 0].numel() * self.k.element_size() * self.layers
+        return per_row * (self.rows if rows is None else rows)
 
-    def extend(self, other: "KVStore") -> None:
-        """Append other's rows (same capacity and layout) after this store's rows."""
-        cat = lambda a, b: None if a is None else [torch.cat([x, y]) for x, y in zip(a, b)]  # noqa
-        self.k, self.v, self.pos = cat(self.k, other.k), cat(self.v, other.v), cat(self.pos, other.pos)
-        self.acc, self.qwin = cat(self.acc, other.acc), cat(self.qwin, other.qwin)
-        self.n = torch.cat([self.n, other.n])
+    def tensors(self) -> list[torch.Tensor]:
+        """Every per-row tensor, row axis 1."""
+        return [t for t in (self.k, self.v, self.pos, self.acc, self.qwin) if t is not None]
 
-    def write(self, i: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+    def move_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Row dst[j] <- row src[j] in every layer and the row state (device indices; disjoint
+        sets)."""
+        for t in self.tensors():
+            t.index_copy_(1, dst, t.index_select(1, src))
+        for t in (self.n, self.seen, self.tok, self.rowid, self.count):
+            t.index_copy_(0, dst, t.index_select(0, src))
+
+    # ---- prefill ---------------------------------------------------------------------------------
+    def write(self, i: int, r0: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
               acc: torch.Tensor | None = None) -> None:
-        """Write slots [0, S) of layer i for every row (prefill). k, v [B,Hkv,S,D]; pos [B,Hkv,S]."""
-        s = k.shape[2]
-        self.k[i][:, :, :s] = k
-        self.v[i][:, :, :s] = v
-        self.pos[i][:, :, :s] = pos
-        if self.acc is not None and acc is not None:
-            self.acc[i].zero_()
-            self.acc[i][:, :, :s] = acc
-
-    def step_index(self, slot: torch.Tensor, pos: torch.Tensor):
-        """Flat indices of one decode step, shared by every layer: (row, KV head) -> the cell of
-        slot[b] in a layer viewed as [B*Hkv*cap], the positions to write there, and (row, query
-        head) -> the ring cell of position pos[b] (SnapKV / R-KV). One ``index_copy_`` per tensor
-        and layer then replaces a broadcast advanced-index assignment."""
-        b, hkv = slot.shape[0], self.k[0].shape[1]
-        rows = torch.arange(b, device=self.device)
-        cells = (_blocks(rows, hkv, self.cap) + slot[:, None]).view(-1)
-        ring = None
-        if self.qwin is not None:
-            hq, w = self.qwin[0].shape[1], self.obs_window
-            ring = (_blocks(rows, hq, w) + (pos % w)[:, None]).view(-1)
-        return cells, pos.repeat_interleave(hkv), ring
-
-    def append_step(self, i: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, index) -> None:
-        """Decode step of layer i: k, v [B,Hkv,D] into their slots; q [B,Hq,D] into the ring."""
-        cells, pos, ring = index
-        d = k.shape[-1]
-        self.k[i].view(-1, d).index_copy_(0, cells, k.reshape(-1, d))
-        self.v[i].view(-1, d).index_copy_(0, cells, v.reshape(-1, d))
-        self.pos[i].view(-1).index_copy_(0, cells, pos)
+        """Slots [0, S) of layer i, rows [r0, r0 + B) (prefill). k, v [B,Hkv,S,D]; pos [B,Hkv,S];
+        the rows' accumulated attention is reset (a freed row keeps its last occupant's)."""
+        b, s = k.shape[0], k.shape[2]
+        rows = slice(r0, r0 + b)
+        self.k[i, rows, :, :s] = k
+        self.v[i, rows, :, :s] = v
+        self.pos[i, rows, :, :s] = pos
         if self.acc is not None:
-            self.acc[i].view(-1).index_fill_(0, cells, 0.0)
-        if ring is not None:
-            self.qwin[i].view(-1, d).index_copy_(0, ring, q.reshape(-1, d))
+            self.acc[i, rows].zero_()
+            if acc is not None:
+                self.acc[i, rows, :, :s] = acc
 
-    def fill_window(self, i: int, q: torch.Tensor, lens: torch.Tensor) -> None:
-        """After prefill: ring slot p % w of row b holds the query of position p, for the last w
-        positions p < lens[b] (q [B,Hq,T,D]; positions before 0 stay zero and are never used)."""
+    def fill_window(self, i: int, r0: int, q: torch.Tensor, lens: torch.Tensor) -> None:
+        """After prefill: ring slot p % w of row r0 + b holds the query of position p, for the last
+        w positions p < lens[b] (q [B,Hq,T,D]; positions before 0 hold zeros, never used)."""
         if self.qwin is None:
             return
         w = self.obs_window
-        p = lens.to(self.device)[:, None] - w + torch.arange(w, device=self.device)[None]  # [B,w]
-        ok = p >= 0
+        p = lens[:, None] - w + torch.arange(w, device=self.device)[None]          # [B,w]
         src = q.gather(2, p.clamp(min=0)[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3]))
-        src = src * ok[:, None, :, None]
-        self.qwin[i].scatter_(2, (p % w)[:, None, :, None].expand_as(src), src)
+        src = src * (p >= 0)[:, None, :, None]
+        ring = self.qwin[i, r0:r0 + q.shape[0]]
+        ring.scatter_(2, (p % w)[:, None, :, None].expand_as(src), src)
 
+    def copy_rows_from(self, i: int, r0: int, other: "KVPool", s: int) -> None:
+        """Rows [r0, r0 + B) of layer i <- slots [0, s) of other's layer 0 (a prefill scratch of
+        B rows), window ring included."""
+        b = other.rows
+        rows = slice(r0, r0 + b)
+        self.k[i, rows, :, :s] = other.k[0, :, :, :s]
+        self.v[i, rows, :, :s] = other.v[0, :, :, :s]
+        self.pos[i, rows, :, :s] = other.pos[0, :, :, :s]
+        if self.acc is not None:
+            self.acc[i, rows].zero_()
+            self.acc[i, rows, :, :s] = other.acc[0, :, :, :s]
+        if self.qwin is not None:
+            self.qwin[i, rows] = other.qwin[0]
+
+    # ---- decode ----------------------------------------------------------------------------------
+    def step_index(self, rows: int, slot: torch.Tensor, pos: torch.Tensor):
+        """Flat indices of one decode step over rows [0, rows), shared by every layer: (row, KV
+        head) -> the cell of slot[r] in a layer's first ``rows`` rows viewed as [rows*Hkv*cap],
+        the positions written there, and (row, query head) -> the ring cell of position pos[r].
+        One ``index_copy_`` per tensor and layer then writes the step (no advanced indexing)."""
+        hkv = self.k.shape[2]
+        ar = torch.arange(rows, device=self.device)
+        cells = (blocks(ar, hkv, self.cap) + slot[:, None]).view(-1)
+        ring = None
+        if self.qwin is not None:
+            hq, w = self.qwin.shape[2], self.obs_window
+            ring = (blocks(ar, hq, w) + (pos % w)[:, None]).view(-1)
+        return cells, pos.repeat_interleave(hkv, output_size=rows * hkv), ring
+
+    def append_step(self, i: int, rows: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
+                    index) -> None:
+        """Decode step of layer i, rows [0, rows): k, v [rows,Hkv,D] into their slots; q
+        [rows,Hq,D] into the ring; the slot's accumulated attention starts at 0."""
+        cells, pos, ring = index
+        d = k.shape[-1]
+        self.k[i, :rows].view(-1, d).index_copy_(0, cells, k.reshape(-1, d))
+        self.v[i, :rows].view(-1, d).index_copy_(0, cells, v.reshape(-1, d))
+        self.pos[i, :rows].view(-1).index_copy_(0, cells, pos)
+        if self.acc is not None:
+            self.acc[i, :rows].view(-1).index_fill_(0, cells, 0.0)
+        if ring is not None:
+            self.qwin[i, :rows].view(-1, d).index_copy_(0, ring, q.reshape(-1, d))
+
+    # ---- compression -----------------------------------------------------------------------------
     def gather_rows(self, i: int, rows: torch.Tensor, idx: torch.Tensor) -> None:
-        """Compact layer i of the given rows to the slots idx [R,Hkv,K] (sorted); slots [0,K).
+        """Compact layer i of the given rows (device indices) to the slots idx [R,Hkv,K] (sorted):
+        slots [0, K) afterwards.
 
         Every tensor of the layer is viewed as one row per (sequence, KV head, slot), so a whole
         compaction is one ``index_select`` of the kept cells (memcpy of D values each) and one
         ``index_copy_`` back into slots [0, K): no copy of the rows' full cache first, and no
-        element-wise ``gather`` over D (measured 4-5x slower at batch 64, 2k slots)."""
+        element-wise ``gather`` over D, and the op count does not depend on how many rows."""
         _, hkv, kk = idx.shape
-        base = _blocks(rows, hkv, self.cap)[..., None]                              # [R,Hkv,1]
+        base = blocks(rows, hkv, self.cap)[..., None]                               # [R,Hkv,1]
         src = (base + idx).view(-1)
         dst = (base + torch.arange(kk, device=self.device)).view(-1)
-        d = self.k[i].shape[-1]
+        d = self.k.shape[-1]
         flat = [self.k[i].view(-1, d), self.v[i].view(-1, d), self.pos[i].view(-1)]
         if self.acc is not None:
             flat.append(self.acc[i].view(-1))
         for t in flat:
             t.index_copy_(0, dst, t.index_select(0, src))   # select first: src and dst overlap
-
-    def copy_layer_from(self, i: int, other: "KVStore", j: int, s: int) -> None:
-        """Copy slots [0, s) of other's layer j into layer i (after prefill compression)."""
-        self.k[i][:, :, :s] = other.k[j][:, :, :s]
-        self.v[i][:, :, :s] = other.v[j][:, :, :s]
-        self.pos[i][:, :, :s] = other.pos[j][:, :, :s]
-        if self.acc is not None:
-            self.acc[i].zero_()
-            self.acc[i][:, :, :s] = other.acc[j][:, :, :s]
-        if self.qwin is not None:
-            self.qwin[i].copy_(other.qwin[j])

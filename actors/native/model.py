@@ -64,9 +64,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def cpu_low_precision(t: torch.Tensor) -> bool:
     """bf16 (or another dtype below float32) on the CPU: attention then computes its scores and
-    softmax in float32 (see ``attend``, ``decode_attend``). On CUDA the bf16 GEMMs read the strided
-    cache in place and SDPA with a mask and GQA falls back to its math kernel, so the CUDA path
-    (float32 softmax of bf16 scores) is left as it is."""
+    softmax in float32 (see ``attend``, ``decode_attend``). On CUDA the prefill's bf16 GEMMs
+    read the strided cache in place (float32 softmax of bf16 scores); the decode step uses SDPA's
+    fused kernel there (``decode_attend``)."""
     return t.dtype != torch.float32 and t.device.type == "cpu"
 
 
@@ -104,13 +104,22 @@ def decode_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: int, bia
     [B*Hkv,1,s] additive mask (0 or -inf) built once per step for every layer. Returns (out [B,Hq*D],
     probs [B,Hkv,g,s] float32 or None). Scale and mask go into one ``baddbmm`` and the batch is
     flattened to (row, KV head) so each step runs three kernels per layer instead of a dozen.
-    bf16 (or any dtype below float32) on the CPU: ``scaled_dot_product_attention`` when no
-    probabilities are wanted, else the same GEMMs over float32 copies of q and the cache slice;
-    scores and softmax are float32 either way.
+    bf16 (or any dtype below float32) on the CPU, and any dtype on CUDA: the fused
+    ``scaled_dot_product_attention`` when no probabilities are wanted (H2O wants them); else the
+    same GEMMs, on the CPU over float32 copies of q and the cache slice; softmax is float32
+    either way.
     """
     b, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
+    if q.is_cuda and not want_probs:
+        # the group's query heads as g queries of their KV head: no GQA expansion of the cache
+        # (SDPA's enable_gqa with a mask falls back to its math kernel), one fused kernel with
+        # float32 accumulation over the strided cache slice
+        out = F.scaled_dot_product_attention(
+            q.view(b, hkv, g, d), k[:, :, :s], v[:, :, :s],
+            attn_mask=bias.view(b, hkv, 1, s)[:, :1], scale=scaling)
+        return out.reshape(b, hq * d), None
     if cpu_low_precision(q) and not want_probs:
         # bf16: the fused kernel reads the strided cache slice in place and keeps scores and
         # softmax in float32; bf16 ``baddbmm``/``bmm`` on CPU copy every row's slice into a
@@ -142,7 +151,7 @@ class RopeTable:
 
     def __init__(self, dec: "Decoder", n: int, device):
         params = getattr(dec.hf.config, "rope_parameters", None) or {}
-        self.dec, self.table = dec, None
+        self.dec, self.table, self.n, self.device = dec, None, n, torch.device(device)
         x = torch.zeros(1, 1, dec.hidden, dtype=dec.dtype, device=device)
         if params.get("rope_type", "default") in self.STATIC:
             cos, sin = dec.rope(x, torch.arange(n, device=device)[None])

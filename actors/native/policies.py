@@ -55,18 +55,22 @@ class LayerView:
     protect: torch.Tensor | None = None  # [R] prompt lengths: positions below stay (protect_prompt)
 
 
-def layer_view(store, i: int, rows: torch.Tensor, seen: torch.Tensor, dec,
+def layer_view(pool, i: int, rows, n: torch.Tensor, seen: torch.Tensor, scaling: float,
                protect: torch.Tensor | None = None) -> LayerView:
-    """Build the view of layer i for rows; seen [R] = tokens processed by each row so far;
-    ``protect`` [R]: prompt lengths whose positions must stay (``rollout.kv.protect_prompt``)."""
-    # every row compresses at once when the batch started together: read the layer in place
-    whole = rows.numel() == store.k[i].shape[0]
-    pick = (lambda t: t) if whole else (lambda t: t.index_select(0, rows))  # noqa: E731
-    keys, pos, n = pick(store.k[i]), pick(store.pos[i]), store.n.to(rows.device)[rows]
-    acc = pick(store.acc[i]) if store.acc is not None else None
+    """The view of layer i of a ``KVPool`` for the rows being compressed: ``rows`` are device
+    indices into the pool, or an int m for rows [0, m) (read in place: every live row compresses
+    at once when the batch started together). n, seen [R] (device): valid slots and tokens
+    processed per row; ``protect`` [R]: prompt lengths whose positions must stay
+    (``rollout.kv.protect_prompt``)."""
+    if isinstance(rows, int):
+        pick = lambda t: t[i, :rows]                                  # noqa: E731
+    else:
+        pick = lambda t: t[i].index_select(0, rows)                   # noqa: E731
+    keys, pos = pick(pool.k), pick(pool.pos)
+    acc = pick(pool.acc) if pool.acc is not None else None
     win = None
-    if store.qwin is not None:
-        win = window_logits(pick(store.qwin[i]), seen, keys, pos, n, dec.scaling)
+    if pool.qwin is not None:
+        win = window_logits(pick(pool.qwin), seen, keys, pos, n, scaling)
     return LayerView(keys, pos, n, acc, win, protect)
 
 
@@ -137,11 +141,16 @@ def _keep(scores: torch.Tensor, n: torch.Tensor, budget: int, first: int, last: 
     if 2 * budget <= s:
         return scores.topk(budget, dim=-1).indices.sort(dim=-1).values
     # Decode-time compression keeps most slots (budget of budget + N): find the s - budget to
-    # evict and list the rest in slot order (6x faster than a top-budget + sort at 2k slots)
+    # evict and list the rest in slot order (6x faster than a top-budget + sort at 2k slots).
+    # The kept slots are compacted by a cumsum (rank among the kept) and one scatter, not by
+    # ``nonzero``, which would wait for the device to learn its output size.
     evict = scores.topk(s - budget, dim=-1, largest=False).indices
     keep = torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
     keep.scatter_(-1, evict, False)
-    return keep.nonzero()[:, -1].view(*scores.shape[:-1], budget)
+    rank = torch.where(keep, keep.cumsum(dim=-1) - 1, budget)   # evicted -> a spare column
+    out = torch.zeros(*scores.shape[:-1], budget + 1, dtype=torch.long, device=scores.device)
+    out.scatter_(-1, rank, slot.expand(scores.shape))
+    return out[..., :budget]
 
 
 def window_scores(win: torch.Tensor, n: torch.Tensor, w: int, group: str) -> torch.Tensor:
@@ -168,19 +177,17 @@ def rkv_scores(win: torch.Tensor, keys: torch.Tensor, n: torch.Tensor, w: int, k
     return lam * importance - (1.0 - lam) * redundancy(keys, n)
 
 
-def redundancy(keys: torch.Tensor, n: torch.Tensor, cells: int = 1 << 18) -> torch.Tensor:
+def redundancy(keys: torch.Tensor, n: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """R-KV redundancy [R,Hkv,S] from key cosine similarity (invalid slots excluded).
 
-    The [S,S] similarity is built for a few (row, head) pairs and a block of its rows at a time,
-    about ``cells`` entries (1 MiB of float32): the passes over it (threshold, latest match) then
-    run in the core's cache instead of streaming tens of MB per layer from
-    memory (at S = 2176, one pair's full matrix is 19 MB)."""
+    Every (row, head) pair at once: the [S,S] similarity is one batched matmul over all pairs, in
+    blocks of ``block`` of its rows (the keys i). On CUDA one block (the whole matrix); on the CPU
+    64 rows, so the passes over it (threshold, latest match) stream a few MB instead of tens per
+    layer. The block depends on S only, never on the batch: a compression issues the same number
+    of ops at batch 16 and 64."""
     r, h, s, d = keys.shape
-    pairs = max(1, cells // (s * s))
-    if r * h > pairs:
-        flat, nn_ = keys.reshape(r * h, 1, s, d), n.repeat_interleave(h)
-        return torch.cat([redundancy(flat[c:c + pairs], nn_[c:c + pairs], cells)
-                          for c in range(0, r * h, pairs)]).view(r, h, s)
+    if block is None:
+        block = s if keys.device.type == "cuda" else 64
     ar = torch.arange(s, device=keys.device)
     valid = ar[None] < n[:, None]                                            # [R,S]
     k = F.normalize(keys.float(), dim=-1, eps=1e-8) * valid[:, None, :, None]
@@ -188,8 +195,6 @@ def redundancy(keys: torch.Tensor, n: torch.Tensor, cells: int = 1 << 18) -> tor
     # column sums of the similarity without its diagonal, sum_i k_i.k_j - k_j.k_j: one
     # matrix-vector product instead of a pass over every block
     col = (k @ k.sum(dim=2)[..., None]).squeeze(-1) - k.square().sum(dim=-1)
-    # rows i of the [S,S] similarity in blocks of ~``cells`` entries (long caches: S = 2k+)
-    block = max(16, cells // (r * h * s))
     for i0 in range(0, s, block):
         sim = torch.matmul(k[:, :, i0:i0 + block], kt)                      # [R,Hkv,b(i),S(j)]
         sim.diagonal(offset=i0, dim1=-2, dim2=-1).zero_()

@@ -48,7 +48,10 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, m
         tok = logp.argmax(dim=-1)
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
     scaled = logits / temperature
-    processed = torch.log_softmax(truncate(scaled, top_k, top_p), dim=-1)
+    # top_k = 0 and top_p = 1 (the RL default): no sort, no truncation, and the raw and processed
+    # distributions are the same one, so one log-softmax serves both
+    plain = not (top_k and top_k < logits.shape[-1]) and top_p >= 1.0
+    processed = torch.log_softmax(scaled if plain else truncate(scaled, top_k, top_p), dim=-1)
     tok = draw(processed.exp(), generator)
-    logp = processed if mode == "processed" else torch.log_softmax(scaled, dim=-1)
+    logp = processed if mode == "processed" or plain else torch.log_softmax(scaled, dim=-1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)

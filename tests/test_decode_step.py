@@ -1,0 +1,101 @@
+"""The native decode step: no host sync, fixed shapes (torch.compile without graph breaks or
+recompiles), compression ops independent of the batch (issue 27's CPU bars)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.config import KVConfig
+from actors.engine import SamplingParams
+from actors.native import NativeEngine
+from actors.native.step import StepRunner, bucket
+from bench import decode_profile
+from common.modeling import load_model
+from common.testmodels import build_model
+
+torch.set_num_threads(1)
+POLICIES = ["dense", "streaming", "h2o", "snapkv", "rkv"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(build_model(tmp_path_factory.mktemp("m"), "tiny", seed=3))
+
+
+def kv(policy):
+    return KVConfig(policy=policy, budget=12, compress_every=5, sink_tokens=2, obs_window=4,
+                    pool_kernel=3)
+
+
+def test_buckets():
+    assert [bucket(n) for n in (1, 3, 5, 17, 64, 65, 200, 257, 300)] == \
+        [1, 4, 8, 24, 64, 96, 256, 384, 384]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_compiled_step_runs_a_generation_without_graph_break_or_recompile(model, policy):
+    """fullgraph=True raises on any graph break; error_on_recompile on any re-trace. The rows
+    compress four times and every row stays to the end (one bucket), so one graph serves all."""
+    import torch._dynamo
+
+    prompts = [list(range(5, 13)), [7, 8, 9, 10], list(range(20, 30))]
+    params = SamplingParams(max_new_tokens=30, temperature=0)
+    want = NativeEngine(model, kv(policy), step="eager", trace=True).generate(prompts, params)
+    torch._dynamo.reset()
+    eng = NativeEngine(model, kv(policy), trace=True)
+    eng.stepper = StepRunner("compile", backend="eager")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = eng.generate(prompts, params)
+    assert eng._kept_pool[1].rows == bucket(len(prompts))        # padded with an inert row
+    for w, g in zip(want, got):
+        assert g.response_ids == w.response_ids
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs),
+                                   atol=1e-5, rtol=0)
+        if policy != "dense":
+            assert len(g.trace) == len(w.trace) >= 4
+
+
+@pytest.fixture(scope="module")
+def profile_rows(model):
+    class Args:
+        prompt_len, gen_len, budget, every = 8, 48, 16, 8
+    return decode_profile.run(model, POLICIES, [16, 64], Args)
+
+
+def test_a_decode_step_reads_the_device_at_most_once(profile_rows):
+    for r in profile_rows:
+        assert r["steps"] > 30
+        assert r["syncs_per_step"] <= 1, r             # the sampled tokens, for stop handling
+        assert r["syncs_per_compression"] == 0, r
+        if r["policy"] != "dense":
+            assert r["compressions"] >= 3
+
+
+def test_without_stops_a_decode_step_never_reads_the_device(model):
+    class Args:
+        prompt_len, gen_len, budget, every = 8, 40, 16, 8
+    eng = NativeEngine(model, kv("rkv"), batch_size=8, step="eager")
+    prompts = torch.randint(3, 200, (8, 8), generator=torch.Generator().manual_seed(0)).tolist()
+    got = decode_profile.profile(eng, prompts, SamplingParams(max_new_tokens=40, seed=0))
+    assert got["steps"] > 30 and got["syncs_per_step"] == 0
+    assert "_compress" not in eng.__dict__                     # the profile leaves no patch
+
+
+def test_compression_ops_do_not_grow_with_the_batch(profile_rows):
+    by = {(r["policy"], r["batch"]): r for r in profile_rows}
+    for policy in POLICIES[1:]:
+        small, large = by[(policy, 16)], by[(policy, 64)]
+        assert small["ops_per_compression"] > 0
+        assert large["ops_per_compression"] <= 1.1 * small["ops_per_compression"]
+    assert all("PASS" in line for line in decode_profile.bars(profile_rows))
+
+
+def test_step_modes_resolve_by_device():
+    assert StepRunner().resolve(torch.device("cpu")) == "eager"
+    assert StepRunner().resolve(torch.device("cuda")) == "graphs"
+    assert StepRunner("compile").pool_rows(5, torch.device("cpu")) == 8
+    assert StepRunner("eager").pool_rows(5, torch.device("cpu")) == 5
+    with pytest.raises(ValueError, match="'graphs' needs a CUDA device"):
+        StepRunner("graphs").resolve(torch.device("cpu"))
+    with pytest.raises(ValueError, match="step mode must be one of"):
+        StepRunner("fast")
