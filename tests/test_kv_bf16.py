@@ -58,13 +58,23 @@ def test_dense_bf16_greedy_equals_hf_bf16_argmax(family, tmp_path):
     assert eng.dec.dtype == torch.bfloat16
     outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0))
     assert len({t for o in outs for t in o.response_ids}) > 3
+    clear_positions = 0
     for p, o in zip(PROMPTS, outs):
         ids = torch.tensor([p + o.response_ids])
         with torch.no_grad():
             logits = model(ids).logits[0, len(p) - 1:-1].float()
-        assert logits.argmax(-1).tolist() == o.response_ids
+        # greedy = HF's argmax wherever the top two differ by more than bf16 noise; at a near-tie
+        # incremental decode and the full forward may round to either token, so there the
+        # engine's token must only be one of the tied ones
+        top2 = logits.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * BF16_TOL
+        chosen = logits.gather(-1, torch.tensor(o.response_ids)[:, None]).squeeze(-1)
+        assert (chosen >= top2[:, 0] - 2 * BF16_TOL).all()
+        assert (logits.argmax(-1)[clear] == torch.tensor(o.response_ids)[clear]).all()
+        clear_positions += int(clear.sum())
         ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(o.response_ids)[:, None])
         assert (ref.squeeze(-1) - torch.tensor(o.logprobs)).abs().max() < BF16_TOL
+    assert clear_positions >= 8 * len(PROMPTS) // 2     # most positions are no tie: not vacuous
 
 
 def test_dense_bf16_logprobs_near_float32_teacher_forcing(bf16, fp32):

@@ -114,6 +114,9 @@ def test_an_actor_never_placed_is_an_error_not_a_hang(local_ray):
 
     ok = A.remote()
     never = A.options(resources={"no_such_pool": 1}).remote()
+    # the placeable one is started first (however slow a loaded machine is), so the 2 s timeout
+    # below is spent on the never-placeable actor alone and the message names it only
+    ray.get(ok.__ray_ready__.remote(), timeout=120)
     with pytest.raises(ConfigError, match=r"cluster.placement_timeout_s.*still not placed: "
                                           r"scorer 0 \(free now: \{'CPU'"):
         wait_placed([("learner 0", ok), ("scorer 0", never)], timeout_s=2.0)
