@@ -99,3 +99,35 @@ def test_step_modes_resolve_by_device():
         StepRunner("graphs").resolve(torch.device("cpu"))
     with pytest.raises(ValueError, match="step mode must be one of"):
         StepRunner("fast")
+
+
+@pytest.mark.parametrize("batch_size", [8, 2])
+def test_a_stop_read_one_step_late_is_rolled_back_exactly(model, batch_size):
+    """The sampled tokens are read one step late (overlapped with the next step), so a row that
+    stopped decodes one extra step: its output must be exactly the prefix up to the stop token of
+    the same generation without stop tokens (greedy), with the same kept sets (StreamingLLM: no
+    score ties), and no trace event past the stop."""
+    prompts = [list(range(5, 13)), [7, 8, 9, 10], list(range(20, 30)), [3, 4, 5], [9, 9, 9]]
+    cfg = KVConfig(policy="streaming", budget=8, compress_every=3, sink_tokens=2)
+    free = NativeEngine(model, cfg, batch_size=batch_size, trace=True).generate(
+        prompts, SamplingParams(max_new_tokens=30, temperature=0))
+    stop = free[0].response_ids[9]
+    got = NativeEngine(model, cfg, batch_size=batch_size, trace=True).generate(
+        prompts, SamplingParams(max_new_tokens=30, temperature=0, stop_token_ids=(stop,)))
+    assert sum(o.finish_reason == "stop" for o in got) >= 1
+    for f, g in zip(free, got):
+        n = f.response_ids.index(stop) + 1 if stop in f.response_ids else 30
+        assert g.response_ids == f.response_ids[:n]
+        assert g.finish_reason == ("stop" if stop in f.response_ids else "length")
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(f.logprobs[:n]),
+                                   atol=1e-5, rtol=0)
+        total = len(g.prompt_ids) + n
+        want = [(a, k) for a, k in f.trace if a < total - 2]
+        assert [a for a, _ in g.trace] == [a for a, _ in want]
+        assert all(torch.equal(k1, k2) for (_, k1), (_, k2) in zip(g.trace, want))
+        # kept ratio and peak follow from lengths alone (StreamingLLM): as if the row stopped on
+        # time, i.e. equal to a lone run of exactly n tokens
+        alone = NativeEngine(model, cfg, batch_size=1).generate(
+            [g.prompt_ids], SamplingParams(max_new_tokens=n, temperature=0))[0]
+        assert g.kept_ratio == pytest.approx(alone.kept_ratio, abs=1e-12)
+        assert g.peak_kv_bytes == alone.peak_kv_bytes

@@ -4,7 +4,12 @@ Sampled tokens and log-probs are written on the device (``record``; read back on
 ``outputs``). Everything the host decides on (which rows finish, which compress, how many slots a
 step reads) follows from counts it mirrors by arithmetic in numpy arrays, so none of it reads the
 device; the one exception is the sampled tokens of a step, read when stop tokens or stop strings
-are in play (``finished``). Live rows are the pool's rows [0, live), in the order of ``ids``.
+are in play. That read is issued without blocking (``issue_read``: a copy into pinned memory on
+CUDA) and taken one step later (``resolve``), after the next decode step is already queued, so
+the device never idles while the host checks for stops. The price: a row that emitted a stop
+token decodes one step too many; its extra token is dropped (count, kept ratio, peak and trace
+events are rolled back to the stop), exactly as if it had left at once. Live rows are the pool's
+rows [0, live), in the order of ``ids``.
 """
 from __future__ import annotations
 
@@ -34,6 +39,10 @@ class BatchState:
         self.peak_total = 0
         self.attended, self.decode_rows = 0, 0    # KV slots read by decode steps, row-steps
         self.trace = [[] for _ in range(b)] if trace else None
+        self.final = np.full(b, -1, dtype=np.int64)      # response length once a row has left
+        self.last_ratio = np.zeros(b, dtype=np.float64)  # of the latest step (rolled back on a
+        self.peak_before = np.zeros(b, dtype=np.int64)   # stop found one step late)
+        self.pending = None                               # the tokens read one step late
         # live rows (pool order): prompt index, valid slots, tokens processed
         self.ids = np.zeros(0, dtype=np.int64)
         self.n = np.zeros(0, dtype=np.int64)
@@ -61,22 +70,62 @@ class BatchState:
         pool.tok[:live].copy_(tok)
         self.count[self.ids] += 1
 
-    def finished(self, tok: torch.Tensor) -> np.ndarray:
-        """Which live rows end with this step's token (bool [live]): by length on the host; by a
-        stop token or stop string from the tokens read back (the step's one device read)."""
-        done = self.count[self.ids] >= self.max_new[self.ids]
-        if self.stops is None and not len(self.stop_ids):
-            return done
-        host = tok.numpy(force=True)          # the one device read of a step
-        is_stop = np.isin(host, self.stop_ids)
+    def by_length(self) -> np.ndarray:
+        """Live rows (bool [live]) whose response reached its ``max_new`` (known on the host)."""
+        return self.count[self.ids] >= self.max_new[self.ids]
+
+    @property
+    def reads_tokens(self) -> bool:
+        return self.stops is not None or bool(len(self.stop_ids))
+
+    def issue_read(self, tok: torch.Tensor, leaving: np.ndarray) -> None:
+        """Start copying this step's tokens to the host (pinned, non-blocking on CUDA);
+        ``leaving`` [live]: rows found stopped a step ago, whose token here is not theirs."""
+        if not self.reads_tokens:
+            return
+        keep = ~leaving
+        event = None
+        if tok.is_cuda:
+            host = torch.empty(tok.shape, dtype=tok.dtype, pin_memory=True)
+            host.copy_(tok, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = tok
+        self.pending = (self.ids[keep], self.count[self.ids][keep], host, event, keep)
+
+    def resolve(self) -> np.ndarray:
+        """Take the tokens read one step ago: mark the rows they stopped; return which live rows
+        (bool [live]) must leave now because of it, their extra step rolled back."""
+        leave = np.zeros(self.live, dtype=bool)
+        if self.pending is None:
+            return leave
+        ids, counts, host, event, keep = self.pending
+        self.pending = None
+        if event is not None:
+            event.synchronize()
+        tokens = host.numpy()[keep]           # the one device read of a step
+        # a token belongs to its response while the row is live, or when the row left by length
+        # with exactly this token
+        valid = (self.final[ids] < 0) | (counts <= self.final[ids])
+        ids, counts, tokens = ids[valid], counts[valid], tokens[valid]
+        is_stop = np.isin(tokens, self.stop_ids)
         if self.stops is not None:
-            is_stop |= np.array(self.stops.hits(self.ids.tolist(), host.tolist()), dtype=bool)
-        self.stopped[self.ids] = is_stop
-        return done | is_stop
+            is_stop |= np.array(self.stops.hits(ids.tolist(), tokens.tolist()), dtype=bool)
+        hit, c = ids[is_stop], counts[is_stop]
+        self.stopped[hit] = True
+        late = self.final[hit] < 0            # still live: decoded one step past the stop
+        hit, c = hit[late], c[late]
+        self.count[hit] = c
+        self.kept_sum[hit] -= self.last_ratio[hit]
+        self.peak[hit] = self.peak_before[hit]
+        leave[np.isin(self.ids, hit)] = True
+        return leave
 
     def retire(self, pool, done: np.ndarray) -> None:
         """Drop the finished rows: survivors past the new end move into the holes (one copy per
         pool tensor), so live rows stay [0, live)."""
+        self.final[self.ids[done]] = self.count[self.ids[done]]
         keep = np.flatnonzero(~done)
         new_live = len(keep)
         holes = np.flatnonzero(done[:new_live])
@@ -94,8 +143,11 @@ class BatchState:
         row r where dense would read seen + 1."""
         self.n += 1
         self.seen += 1
-        self.kept_sum[self.ids] += self.n / self.seen
-        self.peak[self.ids] = np.maximum(self.peak[self.ids], self.n)
+        ids = self.ids
+        self.last_ratio[ids] = self.n / self.seen
+        self.kept_sum[ids] += self.last_ratio[ids]
+        self.peak_before[ids] = self.peak[ids]
+        self.peak[ids] = np.maximum(self.peak[ids], self.n)
         total = int(self.n.sum())
         self.peak_total = max(self.peak_total, total)
         self.attended += total
@@ -109,8 +161,13 @@ class BatchState:
                 self.trace[int(self.ids[r])].append((int(self.seen[r]) - 1, kept_pos[j]))
 
     def outputs(self, bytes_per_token: int, bins_used=lambda total: []) -> list[GenerationOutput]:
+        self.resolve()                        # the last step's tokens, for finish reasons
         tokens, logps = self.tokens.cpu().tolist(), self.logps.cpu().tolist()
         count = self.count.tolist()
+        if self.trace is not None:            # a compression after the stop token was sampled,
+            for o, events in enumerate(self.trace):    # before it was read: no query of the
+                total = len(self.prompts[o]) + count[o]  # response sees it
+                events[:] = [e for e in events if e[0] < total - 2]
         return [GenerationOutput(
             prompt_ids=list(self.prompts[o]), response_ids=tokens[o][:count[o]],
             logprobs=logps[o][:count[o]], finish_reason="stop" if self.stopped[o] else "length",

@@ -202,7 +202,9 @@ class NativeEngine:
                 break
             tok, lp = pick(logits, st)
             st.record(pool, tok, lp)
-            done = st.finished(tok)
+            late = st.resolve()                      # stops among the previous step's tokens
+            st.issue_read(tok, late)                 # read while the next step runs
+            done = late | st.by_length()
             if done.any():
                 st.retire(pool, done)
                 if st.live == 0:
