@@ -49,7 +49,7 @@ bench: $(STAMP)
 	$(PY) bench/buffer.py --quick
 
 # Dense vs naive sparse vs Sparse-RL vs the dynamic schedule vs DistillSparse (bench/compare.py): 3 seeds
-# x budgets 48,16 on the default task (27 runs; the first three arms' 15 took 33 min on 2 cores; README). CI: `make compare ARGS="--quick --model DIR"` (1 seed, 2 steps).
+# x budgets 48,16 on the default task (27 runs; the first three arms' 15 took 33 min on 2 cores; docs/RESULTS.md). CI: `make compare ARGS="--quick --model DIR"` (1 seed, 2 steps).
 compare: model
 	$(PY) bench/compare.py $(ARGS)
 
