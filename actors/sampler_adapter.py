@@ -76,7 +76,7 @@ class SamplerAdapter:
 
     def evictions(self, outs) -> list[list[int]]:
         """Each output's kept sets as flat eviction points [L * Hkv * (prompt + response)]."""
-        from actors.native.reference import evictions
+        from common.kept import evictions
 
         return [evictions(o.trace, self.layers, self.kv_heads,
                           len(o.prompt_ids) + len(o.response_ids)).view(-1).tolist()

@@ -10,7 +10,7 @@ same rollouts (its training forward runs the same sparse attention as its rollou
                                                 pre-step dense log-probs)
 
 Our sampler's sparsity comes from KV eviction, which a teacher-forced forward cannot re-decide, so
-the rollout records where each key was evicted (``actors.native.reference.evictions``, row column
+the rollout records where each key was evicted (``common.kept.evictions``, row column
 ``kv_evictions``) and the adapter's forward attends only to what the sampler saw at each step,
 per layer and KV head (the ``sparse_kept_sets`` attention function below). In float32 with a zero
 adapter this reproduces the sampler's log-probs exactly (tests/test_distill_sparse.py), so the
@@ -36,7 +36,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from actors.config import DistillDivergence
 from common import lora
 from common.modeling import abs_sum, decoder_states, load_model, token_logprobs
 
@@ -50,7 +49,7 @@ def kept_sets_attention(module, query, key, value, attention_mask, scaling, drop
     keys the sparse sampler still held (``kv_evictions`` [B, L * Hkv, T], see module doc). HF
     builds no mask for an unregistered mask type, so rows are right-padded: a padded key comes
     after every real query and the causal rule already hides it."""
-    from actors.native.reference import kept_visibility
+    from common.kept import kept_visibility
 
     if kv_evictions is None:
         raise ValueError(f"attention '{ATTN}' needs kv_evictions (the sampler's kept sets)")
@@ -73,6 +72,12 @@ def _tv_chunk(head, h_sparse: torch.Tensor, h_dense: torch.Tensor, temperature: 
     with torch.no_grad():
         z_d = head(h_dense).float() / temperature
     return (1.0 - tv_agreement(F.log_softmax(z_s, -1), F.log_softmax(z_d, -1))).sum()
+
+
+def _divergence(cfg) -> str:
+    """``rollout.distill_sparse.divergence`` as its value (``actors.config.DistillDivergence``:
+    the learner reads the config it is handed, it does not import the rollout's)."""
+    return getattr(cfg.divergence, "value", cfg.divergence)
 
 
 def _register() -> None:
@@ -246,7 +251,7 @@ class SparseAdapter:
 
         self.optimizer.zero_grad(set_to_none=True)
         parts = []
-        tv = self.cfg.divergence == DistillDivergence.tv
+        tv = _divergence(self.cfg) == "tv"
         for chunk in rows.split(int(micro_batch_size)) if rows.numel() else ():
             t = max(2, int(tensors["attention_mask"][chunk].sum(1).max()))
             # tv: one sparse forward feeds both the PPO log-probs and the TV term
@@ -275,7 +280,7 @@ class SparseAdapter:
         ``temperature``; ``hidden``: the rows' ``sparse_states`` when already computed. The LM
         head runs ``LOGPROB_CHUNK_TOKENS`` positions at a time, under activation checkpointing,
         so [tokens, vocab] logits of one chunk exist at once."""
-        from actors.native.reference import NEVER
+        from common.kept import NEVER
         from common.modeling import LOGPROB_CHUNK_TOKENS
 
         ids, mask, kw = self._sparse_inputs(tensors, rows, t)
@@ -303,7 +308,7 @@ class SparseAdapter:
         from correction.config import KLEstimator, LossAggregation
 
         cc = copy.deepcopy(correction_cfg)
-        k3 = self.cfg.divergence == DistillDivergence.k3
+        k3 = _divergence(self.cfg) == "k3"
         cc.loss.kl_coef = float(self.cfg.kl_coef) if k3 else 0.0
         cc.loss.kl_estimator = KLEstimator.K3
         cc.loss.entropy_coef = 0.0
