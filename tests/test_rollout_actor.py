@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from actors.config import KVConfig, RolloutConfig, ScorerConfig
-from actors.engine import make_engine
+from actors.rollout import make_engine
 from actors.rollout import RolloutActor
 from common.errors import ConfigError
 from common.testmodels import build_model

@@ -1,6 +1,6 @@
 """``rollout.engine=vllm`` through the factory: RolloutActor rows and a short end-to-end training run.
 
-Both skip until ``actors.engine.make_engine`` builds the vLLM engine (the hook, applied by the
+Both skip until ``actors.rollout.make_engine`` builds the vLLM engine (the hook, applied by the
 integrator, is ``return VLLMEngine.from_config(cfg, path)`` for ``EngineKind.vllm``); the end-to-end
 run also needs ``launch/train.py``. The rows must have exactly the native engine's keys and types.
 """
@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 from actors.config import KVConfig, RolloutConfig  # noqa: E402
-from actors.engine import make_engine  # noqa: E402
+from actors.rollout import make_engine  # noqa: E402
 from common.testmodels import VLLM_CPU, build_model  # noqa: E402
 from tasks.base import Problem  # noqa: E402
 from conftest import ContainsAnswer  # noqa: E402
