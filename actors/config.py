@@ -333,10 +333,8 @@ class RolloutConfig:
                 if not off:  # probes replay on the native engine: dynamic schedules need them
                     raise ConfigError(f"{prefix}.kv.{key}", getattr(kv, key),
                                       f"its default with {prefix}.engine=vllm (native engine only)")
-            # Refuse score-based policies at config load, not minutes later in an actor.
-            from actors.vllm.kv import check_policy  # imports no vLLM
-
-            policy = check_policy(self.kv, f"{prefix}.kv")
+            # vLLM runs every policy (actors.vllm.kv.SUPPORTED; the engine checks it at build)
+            policy = KVPolicy(getattr(kv.policy, "value", kv.policy))
             if policy == KVPolicy.streaming and (kv.budgets or kv.protect_prompt):
                 key = "budgets" if kv.budgets else "protect_prompt"
                 raise ConfigError(f"{prefix}.kv.{key}", getattr(kv, key),
@@ -366,7 +364,7 @@ class RolloutConfig:
             raise ConfigError(f"{prefix}.distill_sparse.enabled", True,
                               f"false with {prefix}.kv.policy=dense (no sparse sampler to adapt)")
         if engine == EngineKind.vllm:
-            from actors.vllm.kv import lora_slots  # imports no vLLM
+            from actors.vllm.limits import lora_slots  # imports no vLLM, nor this module
 
             if policy == KVPolicy.streaming:
                 raise ConfigError(f"{prefix}.distill_sparse.enabled", True,

@@ -4,7 +4,8 @@
 in-process mode. Importing this package does not import vLLM; constructing the engine does (vLLM is an
 optional extra: ``requirements-vllm.txt``, docs/VLLM.md).
 
-Modules: ``env`` (cache directories and process settings, applied before vLLM is imported), ``kv``
+Modules: ``env`` (cache directories and process settings, applied before vLLM is imported),
+``limits`` (what vLLM accepts, as plain values the config checks at load), ``kv``
 (KV policy -> vLLM model overrides, kept ratio, KV accounting from the KV manager's blocks),
 ``weights`` (HF-named weight spec, validation before reload, checksum, NCCL transfer on GPU),
 ``engine`` (generation loop).

@@ -44,6 +44,7 @@ from actors.engine import GenerationOutput, SamplingParams
 from actors.vllm import kv as kvmod
 from actors.vllm.env import setup_env
 from actors.vllm.evict.rule import DENSE_PREFIX, BudgetTable
+from actors.vllm.limits import lora_slots
 from actors.vllm.weights import Ledger, hf_skeleton, refresh_tied_head, spec_of, validate
 from common.errors import ConfigError
 
@@ -101,7 +102,7 @@ class VLLMEngine:
             torch.set_num_threads(int(threads))   # before vLLM freezes the thread count
         self.gpu_memory_utilization = float(gpu_memory_utilization)
         self.tensor_parallel_size = int(tensor_parallel_size)
-        self.lora_rank = kvmod.lora_slots(lora_rank) if lora_rank else 0   # 0: no LoRA
+        self.lora_rank = lora_slots(lora_rank) if lora_rank else 0   # 0: no LoRA
         self._lora, self._lora_dir = None, None
         self.llm = self._start(kv_cache_bytes, max_model_len, seed, enforce_eager, block_size)
         self.eviction = None

@@ -36,20 +36,6 @@ def check_policy(kv: KVConfig, prefix: str = "rollout.kv") -> KVPolicy:
     return policy
 
 
-# vLLM's allowed ``max_lora_rank`` values (vllm.config.lora.MaxLoRARanks)
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def lora_slots(rank: int, key: str = "rollout.distill_sparse.rank") -> int:
-    """The smallest ``max_lora_rank`` vLLM allows that holds an adapter of ``rank`` (vLLM pads
-    a smaller adapter into its slots), or ConfigError naming ``key``."""
-    slots = next((r for r in LORA_RANKS if r >= int(rank)), 0)
-    if not slots:
-        raise ConfigError(key, rank, f"<= {LORA_RANKS[-1]} with rollout.engine=vllm (vLLM's "
-                                     "largest LoRA rank)")
-    return slots
-
-
 def evicting(kv: KVConfig) -> bool:
     """Whether the policy runs through score-based eviction (``actors/vllm/evict``)."""
     return check_policy(kv) in EVICTING
