@@ -114,7 +114,7 @@ def _lease_again(pools, reason: str) -> None:
 def _stop(pools, what: str) -> str:
     """The message: what happened and the ``resume=`` to run."""
     from common.errors import ConfigError
-    from launch.checkpoint import find_checkpoint
+    from launch.ckptdir import find_checkpoint
 
     try:
         ckpt = find_checkpoint(str(pools.run_dir)) if pools.run_dir else None
