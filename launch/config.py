@@ -14,12 +14,13 @@ from enum import Enum
 from pathlib import Path
 
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException
 
 from actors.config import EngineKind, RolloutConfig, ScorerConfig
 from buffer.config import BufferConfig
 from cluster.config import ClusterConfig
 from common import secrets
+from common.configfile import as_config_error, merge, parse_override
 from common.dtypes import Dtype
 from common.errors import ConfigError
 from common.validate import check_range
@@ -129,42 +130,6 @@ class TrainConfig:
                               f"generated s versions ahead lags the learner by up to s")
 
 
-def _allowed_keys(schema, dotted: str) -> str:
-    """The keys allowed next to an unknown ``dotted`` key, for the error message."""
-    node = schema
-    for part in dotted.split(".")[:-1]:
-        if not OmegaConf.is_dict(node) or part not in node:
-            break
-        node = node[part]
-    keys = list(node.keys()) if OmegaConf.is_dict(node) else []
-    return "one of " + ", ".join(keys) if keys else "a known key"
-
-
-def _as_config_error(err: OmegaConfBaseException, schema, source: str) -> ConfigError:
-    key = getattr(err, "full_key", None) or "?"
-    value = getattr(err, "value", None)
-    if isinstance(err, ConfigKeyError):
-        return ConfigError(key, f"unknown key (from {source})", _allowed_keys(schema, key))
-    current = OmegaConf.select(schema, key, default=None) if key != "?" else None
-    if isinstance(current, Enum):  # list the values YAML takes (OmegaConf lists member names)
-        choices = ", ".join(repr(m.value) for m in type(current))
-        return ConfigError(key, value, f"one of {choices} (from {source})")
-    # OmegaConf's own message says what the type allows; keep its first line.
-    msg = str(err).splitlines()[0]
-    return ConfigError(key, value, f"{msg} (from {source})")
-
-
-def _merge(schema, other, source: str, item: str | None = None):
-    try:
-        return OmegaConf.merge(schema, other)
-    except OmegaConfBaseException as err:
-        raise _as_config_error(err, schema, source) from None
-    except (TypeError, ValueError) as err:  # e.g. a mapping merged into a list: task.eval_sets.0.x
-        key, _, value = (item or "?=").partition("=")
-        raise ConfigError(key, value or None, f"a value of the key's type ({err}; from {source})") \
-            from None
-
-
 def parse_args(argv: list[str]) -> tuple[list[Path], list[str]]:
     """Split argv into ``--config FILE`` presets and ``key=value`` overrides."""
     files, overrides = [], []
@@ -184,19 +149,6 @@ def parse_args(argv: list[str]) -> tuple[list[Path], list[str]]:
     return files, overrides
 
 
-def _parse_override(item: str):
-    """One ``key=value`` as OmegaConf reads it (the value as YAML); a value YAML or OmegaConf
-    cannot read (control characters, an unclosed bracket) names its key."""
-    import yaml
-
-    key, _, value = item.partition("=")
-    try:
-        return OmegaConf.from_dotlist([item])
-    except (yaml.YAMLError, OmegaConfBaseException, ValueError) as err:
-        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ConfigError(key, value, f"a YAML value (command line: {msg})") from None
-
-
 def load_config(argv: list[str] | None = None, *, default: bool = True) -> TrainConfig:
     """Defaults ← ``launch/configs/default.yaml`` (unless other presets are given) ← presets ← overrides."""
     files, overrides = parse_args(list(argv or []))
@@ -207,18 +159,18 @@ def load_config(argv: list[str] | None = None, *, default: bool = True) -> Train
     for path in files:
         if not path.is_file():
             raise ConfigError("--config", str(path), "an existing YAML file")
-        merged = _merge(merged, OmegaConf.load(path), str(path))
+        merged = merge(merged, OmegaConf.load(path), str(path))
     if overrides:
         for item in overrides:
             key, _, value = item.partition("=")
             if not key:
                 raise ConfigError(item, item, "key=value")
         for item in overrides:  # one at a time, so an error names the item's key
-            merged = _merge(merged, _parse_override(item), "command line", item)
+            merged = merge(merged, parse_override(item), "command line", item)
     try:
         cfg: TrainConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
-        raise _as_config_error(err, schema, "config") from None
+        raise as_config_error(err, schema, "config") from None
     cfg.validate()
     secrets.check_config(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
     return cfg

@@ -10,8 +10,11 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from common.configfile import merge, parse_override
 from common.errors import ConfigError
 from common.validate import check_range
+
+REPO = Path(__file__).resolve().parents[2]   # deploy.yaml's preset is relative to it
 
 # an image reference with an explicit tag or digest (never the implicit or explicit :latest)
 IMAGE = re.compile(r"^[a-z0-9][a-z0-9._/-]*(:[A-Za-z0-9_][A-Za-z0-9._-]{0,127})?(@sha256:[0-9a-f]{64})?$")
@@ -95,6 +98,11 @@ class DeployConfig:
         self.learner.validate("learner")
 
 
+def pool_group(dc: DeployConfig, pool: str) -> str:
+    """The worker group a pool's actors run in (the scorer's is ``scorer_group``)."""
+    return {"rollout": "rollout", "learner": "learner"}.get(pool) or Group(dc.scorer_group).value
+
+
 def check_quantity(key: str, value: str) -> None:
     if not isinstance(value, str) or not QUANTITY.match(value):
         raise ConfigError(key, value, "a Kubernetes quantity such as 64Gi")
@@ -102,14 +110,12 @@ def check_quantity(key: str, value: str) -> None:
 
 def load_deploy(path: Path, overrides: list[str]) -> DeployConfig:
     """``path`` merged over the defaults, then ``key=value`` overrides; validated."""
-    from launch.config import _merge, _parse_override
-
     if not Path(path).is_file():
         raise ConfigError("--deploy", str(path), "an existing YAML file")
     schema = OmegaConf.structured(DeployConfig)
-    merged = _merge(schema, OmegaConf.load(path), str(path))
+    merged = merge(schema, OmegaConf.load(path), str(path))
     for item in overrides:
-        merged = _merge(merged, _parse_override(item), "command line", item)
+        merged = merge(merged, parse_override(item), "command line", item)
     cfg: DeployConfig = OmegaConf.to_object(merged)
     cfg.validate()
     return cfg
