@@ -14,8 +14,8 @@ from pathlib import PurePosixPath
 
 import yaml
 
-from cluster.kuberay.options import DeployConfig, Group
-from cluster.kuberay.render import CONFIG_KEY, CONFIG_MOUNT, REPO, deployed_config, pool_group
+from cluster.kuberay.options import REPO, DeployConfig, Group, pool_group
+from cluster.kuberay.training import CONFIG_KEY, CONFIG_MOUNT, deployed_config
 
 KUBERAY_VERSION = "1.7.0"
 CRD_DIR = REPO / "tests" / "data" / f"kuberay-{KUBERAY_VERSION}"
