@@ -10,7 +10,7 @@ rollout's dense log-probs use them); the sampler adds the adapter, and the dense
   load; sampling requests carry it (``adapter_view``), dense ones do not. No copy of the model.
 
 The sampler's engine records the kept sets of every sample (``trace``), which the rows carry to
-the learner as ``kv_evictions`` (``actors.native.reference.evictions``).
+the learner as ``kv_evictions`` (``common.kept.evictions``).
 """
 from __future__ import annotations
 

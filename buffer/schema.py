@@ -58,7 +58,7 @@ SCHEMA = pa.schema([
     # response; probe rows only (rollout.kv.probe_share), null elsewhere
     pa.field("kv_agreement", LP),
     # DistillSparse (rollout.distill_sparse): the sampler's kept sets as eviction points, flat
-    # [L * Hkv * (prompt_len + response_len)] (actors/native/reference.evictions); null otherwise
+    # [L * Hkv * (prompt_len + response_len)] (common/kept.evictions); null otherwise
     pa.field("kv_evictions", IDS),
 ])
 

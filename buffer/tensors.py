@@ -60,7 +60,7 @@ def to_tensors(batch: pa.RecordBatch | pa.Table, pad_id: int) -> dict[str, torch
     group_index [B] int64 (0..n_groups-1 in order of first appearance), policy_version [B]
     int64, scorer_version [B] int64 (-1 where unscored; when the batch has the column),
     prompt_lens/response_lens [B], kv_evictions [B, L*Hkv, T] int32 (the sparse sampler's kept
-    sets, ``actors.native.reference.evictions``, -1 = never evicted, also on padding; only if
+    sets, ``common.kept.evictions``, -1 = never evicted, also on padding; only if
     every row has them).
     """
     b = _as_batch(batch)
