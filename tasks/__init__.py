@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from tasks.base import Problem, RewardTimeout, Task
-from tasks.config import AnswerFormat, DataFormat, TaskConfig, TaskName
+from tasks.config import AnswerFormat, DataFormat, ReasoningConfig, TaskConfig, TaskName
 
 
 def make_task(cfg: TaskConfig) -> Task:
@@ -16,6 +16,13 @@ def make_task(cfg: TaskConfig) -> Task:
         from tasks.dataset import DatasetTask
 
         task = DatasetTask(cfg)
+    elif cfg.name is TaskName.reasoning:
+        from tasks.reasoning import ReasoningTask
+
+        r = cfg.reasoning
+        task = ReasoningTask(seed=cfg.seed, n_train=cfg.n_train, n_heldout=cfg.n_heldout,
+                             facts=r.facts, response_tokens=r.response_tokens,
+                             far_facts=r.far_facts)
     else:
         from tasks.synthetic import ReverseTask, RunningSumTask
 
@@ -42,5 +49,5 @@ def _import_reward(spec: str):
     return fn
 
 
-__all__ = ["AnswerFormat", "DataFormat", "Problem", "RewardTimeout", "Task", "TaskConfig",
-           "TaskName", "make_task"]
+__all__ = ["AnswerFormat", "DataFormat", "Problem", "ReasoningConfig", "RewardTimeout", "Task",
+           "TaskConfig", "TaskName", "make_task"]

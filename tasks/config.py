@@ -18,6 +18,8 @@ class TaskName(str, enum.Enum):
 
     running_sum = "running_sum"   # write every partial sum of a labelled digit list, then the total
     reverse = "reverse"           # write a digit string backwards
+    # a few mod-10 steps over the prompt's facts, worked in a long redundant response (task.reasoning)
+    reasoning = "reasoning"
     dataset = "dataset"           # prompt/answer rows from ``path`` with a math verifier
 
 
@@ -67,6 +69,25 @@ class EvalSetConfig:
 
 
 @dataclass
+class ReasoningConfig:
+    """The ``reasoning`` task's shape (tasks/reasoning.py); read only when task.name=reasoning."""
+    facts: int = 3                # facts in the prompt (a=7 b=3 ...): the computation's steps
+    # Target mean response length in tokens (one per character): the notes per gap (the same for
+    # every problem) are the count whose mean length comes closest; ~facts x 27 tokens per note
+    response_tokens: int = 320
+    # Operands of the last far_facts steps appear only in the prompt (never restated): the tokens
+    # far back that later steps need; 0: every step needs only its own last gap of notes
+    far_facts: int = 1
+
+    def validate(self, prefix: str) -> None:
+        from tasks.reasoning import MAX_FACTS, MAX_RESPONSE_TOKENS
+
+        check_range(f"{prefix}.facts", self.facts, 2, MAX_FACTS)
+        check_range(f"{prefix}.response_tokens", self.response_tokens, 1, MAX_RESPONSE_TOKENS)
+        check_range(f"{prefix}.far_facts", self.far_facts, 0, self.facts - 1)
+
+
+@dataclass
 class TaskConfig:
     name: TaskName = TaskName.running_sum
     seed: int = 0                 # problems and the train/held-out split are a function of this
@@ -76,6 +97,7 @@ class TaskConfig:
     min_terms: int = 8
     max_terms: int = 16
     max_digit: int = 9            # running_sum: terms are drawn from 1..max_digit
+    reasoning: ReasoningConfig = field(default_factory=ReasoningConfig)
     # Dataset kind: one file, optionally a second file for held-out problems.
     path: str = ""
     heldout_path: str = ""        # empty: hold out n_heldout rows of ``path`` (seeded shuffle)
@@ -112,6 +134,7 @@ class TaskConfig:
         check_range(k + "max_terms", self.max_terms, self.min_terms, 26)
         check_range(k + "max_digit", self.max_digit, 1, 9)
         check_range(k + "reward_timeout_s", self.reward_timeout_s, 0.0)
+        self.reasoning.validate(k + "reasoning")
         if self.reward_fn and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.reward_fn):
             raise ConfigError(k + "reward_fn", self.reward_fn,
                               "empty or 'module:function' (e.g. tasks.faulty:flaky)")
