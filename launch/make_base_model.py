@@ -1,6 +1,7 @@
 """Build the tiny base model: a Qwen2-architecture causal LM, SFT'd on the synthetic task.
 
     python launch/make_base_model.py --out .cache/models/tiny-base [--seed 0] [--force]
+    python launch/make_base_model.py --task reasoning      # -> .cache/models/reasoning-base
 
 Defaults (seed 0, 2 threads, idle 2-core CPU): 1.02M params, stops after 800 steps in ~3 min at
 held-out greedy accuracy 0.453 (128 problems; 0.465 on 256). ``--threads 1``: 900 steps, ~5.3 min,
@@ -25,29 +26,51 @@ from pathlib import Path
 
 import torch
 
-from tasks import TaskConfig, make_task
+from tasks import ReasoningConfig, TaskConfig, TaskName, make_task
 from tasks.tokenizer import save_char_tokenizer
 
 MARKER = ".complete"
 METRICS = "sft_metrics.json"
+TASKS = [t.value for t in TaskName if t is not TaskName.dataset]
+# Per task: the output directory and the SFT settings an option left unset takes. running_sum's
+# are the values the README's figures were measured with (a change would change its model).
+TASK_DEFAULTS = {
+    "running_sum": {"out": ".cache/models/tiny-base", "hidden": 128, "layers": 4, "heads": 4,
+                    "batch_size": 32, "lr": 2e-3, "max_steps": 1500, "eval_every": 50,
+                    "n_eval": 128, "target_acc": 0.35},
+    "reverse": {"out": ".cache/models/reverse-base", "hidden": 128, "layers": 4, "heads": 4,
+                "batch_size": 32, "lr": 2e-3, "max_steps": 1500, "eval_every": 50,
+                "n_eval": 128, "target_acc": 0.35},
+    "reasoning": {"out": ".cache/models/reasoning-base", "hidden": 128, "layers": 4, "heads": 4,
+                  "batch_size": 16, "lr": 2e-3, "max_steps": 1500, "eval_every": 50,
+                  "n_eval": 128, "target_acc": 0.4},
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=".cache/models/tiny-base")
+    p.add_argument("--task", choices=TASKS, default="running_sum",
+                   help="the synthetic task (task.name) to SFT on; sets the defaults of --out and "
+                        "of the SFT options below (TASK_DEFAULTS)")
+    p.add_argument("--out", default=None, help="default: .cache/models/tiny-base (running_sum), "
+                                              ".cache/models/<task>-base (others)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="rebuild even if the directory is complete")
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--max-steps", type=int, default=1500)
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--n-eval", type=int, default=128, help="held-out problems per accuracy check")
-    p.add_argument("--target-acc", type=float, default=0.35, help="stop once greedy acc >= this")
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--n-eval", type=int, default=None, help="held-out problems per accuracy check")
+    p.add_argument("--target-acc", type=float, default=None, help="stop once greedy acc >= this")
     p.add_argument("--min-terms", type=int, default=TaskConfig.min_terms)
     p.add_argument("--max-terms", type=int, default=TaskConfig.max_terms)
+    # --task reasoning: task.reasoning.* (tasks/reasoning.py); a model is built for one shape
+    p.add_argument("--facts", type=int, default=ReasoningConfig.facts)
+    p.add_argument("--response-tokens", type=int, default=ReasoningConfig.response_tokens)
+    p.add_argument("--far-facts", type=int, default=ReasoningConfig.far_facts)
     # SFT on the same 4096 train problems RL uses (several epochs): measured, this base model
     # improves much more under RL than one SFT'd on 50k fresh problems at lr 1e-3 to 0.30.
     p.add_argument("--n-train", type=int, default=TaskConfig.n_train)
@@ -56,12 +79,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     # between counts. 2 threads (the build runs alone on a 2-core machine) is ~1.8x faster than 1;
     # the default RL recipe was measured on both the 1- and the 2-thread model.
     p.add_argument("--threads", type=int, default=2)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for key, value in TASK_DEFAULTS[args.task].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
 
 
-def build_model(vocab_size: int, hidden: int, layers: int, heads: int, tok):
+def task_config(args) -> TaskConfig:
+    """The TaskConfig the model is built for (and that a run on it should use)."""
+    return TaskConfig(name=args.task, seed=args.seed, min_terms=args.min_terms,
+                      max_terms=args.max_terms, n_train=args.n_train, n_heldout=args.n_heldout,
+                      reasoning=ReasoningConfig(facts=args.facts,
+                                                response_tokens=args.response_tokens,
+                                                far_facts=args.far_facts))
+
+
+def build_model(vocab_size: int, hidden: int, layers: int, heads: int, tok,
+                max_positions: int = 1024):
     """A fresh Qwen2 causal LM of the "tiny" test-model family (``common/testmodels.py``: tied
-    embeddings) sized by the arguments, with heads // 2 KV heads and 1024 positions."""
+    embeddings) sized by the arguments, with heads // 2 KV heads and ``max_positions``."""
     from transformers import AutoModelForCausalLM
 
     from common.testmodels import model_config
@@ -69,7 +106,8 @@ def build_model(vocab_size: int, hidden: int, layers: int, heads: int, tok):
     cfg = model_config(
         "tiny", vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 4,
         num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2), max_position_embeddings=1024, rope_theta=10000.0,
+        num_key_value_heads=max(1, heads // 2), max_position_embeddings=max_positions,
+        rope_theta=10000.0,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id)
     return AutoModelForCausalLM.from_config(cfg)
@@ -147,30 +185,44 @@ def sft(model, tok, task, args, log=print) -> dict:
             "max_new_tokens": max_new, "sft_time_s": round(time.time() - t0, 1), "history": history}
 
 
+def _positions(task) -> int:
+    """1024 (the running_sum model's), or the next power of two that holds twice the longest
+    held-out prompt + gold response of a longer task (room for rollouts that run on)."""
+    longest = max(len(p.prompt) + len(task.solution(p.prompt)) for p in task.problems("heldout"))
+    n = 1024
+    while n < 2 * longest:
+        n *= 2
+    return n
+
+
 def is_complete(out: Path) -> bool:
     return (out / MARKER).is_file() and (out / "config.json").is_file()
 
 
 def build(args, log=print) -> Path:
     """Build the model into ``args.out`` (atomically, via a sibling temp dir); returns the path."""
-    out = Path(args.out)
+    out = Path(args.out or TASK_DEFAULTS[args.task]["out"])
     if is_complete(out) and not args.force:
         log(f"[base model] {out} exists (delete it or pass --force to rebuild)")
         return out
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    task_cfg = TaskConfig(seed=args.seed, min_terms=args.min_terms, max_terms=args.max_terms,
-                          n_train=args.n_train, n_heldout=args.n_heldout)
+    task_cfg = task_config(args)
     task = make_task(task_cfg)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tok = save_char_tokenizer(tmp)
-    model = build_model(len(tok), args.hidden, args.layers, args.heads, tok)
+    model = build_model(len(tok), args.hidden, args.layers, args.heads, tok,
+                        max_positions=_positions(task))
     n_params = sum(p.numel() for p in model.parameters())
+    if task.name == "reasoning":
+        shape = (f"{task.facts} facts, {task.far_facts} far, {task.notes} notes per gap, "
+                 f"~{task.mean_response_len(task.notes):.0f} response tokens")
+    else:
+        shape = f"{args.min_terms}-{args.max_terms} terms"
     log(f"[base model] Qwen2 {args.layers}x{args.hidden}, {n_params / 1e6:.2f}M params; SFT on "
-        f"{task.name} ({args.min_terms}-{args.max_terms} terms) until held-out acc >= "
-        f"{args.target_acc}")
+        f"{task.name} ({shape}) until held-out acc >= {args.target_acc}")
     metrics = sft(model, tok, task, args, log)
     metrics.update(params=n_params, seed=args.seed, args=vars(args),
                    task={k: (v.value if hasattr(v, "value") else v)

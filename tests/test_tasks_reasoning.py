@@ -1,0 +1,144 @@
+"""The ``reasoning`` task (issue 28): determinism, disjoint splits, the length and far-facts knobs,
+gold responses earn reward 1, config keys validated by name, the preset loads."""
+from __future__ import annotations
+
+import pytest
+
+from common.errors import ConfigError
+from tasks import ReasoningConfig, TaskConfig, TaskName, make_task
+from tasks.reasoning import ReasoningTask, apply, parse_prompt
+
+
+def _task(**kw):
+    r = {k: kw.pop(k) for k in ("facts", "response_tokens", "far_facts") if k in kw}
+    return make_task(TaskConfig(name="reasoning", reasoning=ReasoningConfig(**r), **kw))
+
+
+def test_same_seed_same_problems_and_responses_other_seed_differs():
+    a, b = _task(seed=3, n_train=40, n_heldout=10), _task(seed=3, n_train=40, n_heldout=10)
+    c = _task(seed=4, n_train=40, n_heldout=10)
+    for split in ("train", "heldout"):
+        assert a.problems(split) == b.problems(split) != c.problems(split)
+    assert [a.solution(p.prompt) for p in a.problems("train")] == \
+        [b.solution(p.prompt) for p in b.problems("train")]
+
+
+def test_splits_disjoint_and_sized():
+    t = _task(n_train=500, n_heldout=60)
+    train, held = t.problems("train"), t.problems("heldout")
+    assert len(train) == 500 and len(held) == 60
+    assert not {p.prompt for p in train} & {p.prompt for p in held}
+    assert len({p.prompt for p in train}) == 500
+
+
+def test_gold_responses_earn_reward_1_and_answers_are_the_computation():
+    for facts, far in ((3, 1), (4, 0), (5, 4)):
+        t = _task(n_train=50, n_heldout=10, facts=facts, far_facts=far)
+        for p in t.problems("train") + t.problems("heldout"):
+            sol = t.solution(p.prompt)
+            assert t.reward(sol, p.answer) == 1.0
+            values, ops = parse_prompt(p.prompt)
+            r = values[0][1]
+            for (_, v), op in zip(values[1:], ops):
+                r = apply(op, r, v)
+            assert p.answer == str(r) and sol.endswith(f"answer={r}")
+            assert t.reward(sol[:-1] + str((r + 1) % 10), p.answer) == 0.0
+
+
+def test_worked_example():
+    t = ReasoningTask(n_train=1, n_heldout=1, facts=3, far_facts=1, response_tokens=320)
+    sol = t.render("ask a=7 b=5 c=4 do a-b*c\n", notes=3)
+    lines = sol.split("\n")
+    assert lines[0] == "we have a=7 b=5; do a-b*c mod 10."       # the far fact c is not restated
+    assert lines[1] == "step 1: r=a=7." and lines[5] == "step 2: r-b=7-5=2."
+    assert lines[9] == "step 3: r*c=2*4=8." and lines[-1] == "answer=8"
+    assert lines[2].startswith("(1) ") and lines[3] == "(2) recall a=7 b=5."
+    assert lines[4] == "(3) so far r=7 at step 1; next -b." and lines[-2] == "(3) so far r=8 at step 3; done."
+    assert " c=4" not in sol                                       # only in the prompt
+
+
+def test_far_facts_knob_controls_which_values_are_restated():
+    prompt = "ask a=1 b=2 c=3 d=4 do a+b+c+d\n"
+    for far in range(4):
+        sol = ReasoningTask(n_train=1, n_heldout=1, facts=4, far_facts=far).solution(prompt)
+        restated = [k for k, v in (("a", 1), ("b", 2), ("c", 3), ("d", 4)) if f" {k}={v}" in sol]
+        assert restated == ["a", "b", "c", "d"][: 4 - far]
+
+
+def test_length_knob():
+    lens = []
+    for target in (200, 320, 640, 1280, 2048):
+        t = _task(n_train=30, n_heldout=5, response_tokens=target)
+        mean = sum(len(t.solution(p.prompt)) for p in t.problems("train")) / 30
+        assert abs(mean - target) < 0.25 * target + 60, (target, mean, t.notes)
+        lens.append((t.notes, mean))
+    assert [n for n, _ in lens] == sorted({n for n, _ in lens})       # strictly more notes
+    assert lens[-1][1] > 1800
+    # the default: a few hundred tokens, with recaps, restated facts and filler in every gap
+    t = _task(n_train=20, n_heldout=5)
+    assert t.notes >= 3 and 250 < t.mean_response_len(t.notes) < 400
+    sol = t.solution(t.problems("train")[0].prompt)
+    assert sol.count("recall ") == 3 and sol.count("so far r=") == 3
+
+
+def test_vocabulary_is_one_token_per_character():
+    from tasks.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    t = _task(n_train=5, n_heldout=2, response_tokens=640)
+    text = t.problems("train")[0].prompt + t.solution(t.problems("train")[0].prompt)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text) and tok.unk_token_id not in ids
+    assert tok.decode(ids) == text
+
+
+@pytest.mark.parametrize("key,value", [("facts", 1), ("facts", 9), ("response_tokens", 0),
+                                       ("response_tokens", 5000), ("far_facts", -1),
+                                       ("far_facts", 3)])
+def test_validate_names_key(key, value):
+    cfg = TaskConfig(name="reasoning", reasoning=ReasoningConfig(**{key: value}))
+    with pytest.raises(ConfigError, match=rf"task\.reasoning\.{key}"):
+        make_task(cfg)
+
+
+def test_keys_from_the_command_line():
+    from launch.config import load_config
+
+    cfg = load_config(["task.name=reasoning", "task.reasoning.facts=4",
+                       "task.reasoning.response_tokens=512"])
+    assert cfg.task.name is TaskName.reasoning and cfg.task.reasoning.facts == 4
+    with pytest.raises(ConfigError, match=r"task\.reasoning\.far_facts"):
+        load_config(["task.name=reasoning", "task.reasoning.far_facts=7"])
+    with pytest.raises(ConfigError, match=r"task\.reasoning\.nosuch"):
+        load_config(["task.reasoning.nosuch=1"])
+
+
+def test_preset_loads_and_matches_its_task():
+    from launch.config import CONFIG_DIR, load_config
+
+    cfg = load_config(["--config", str(CONFIG_DIR / "reasoning.yaml")])
+    assert cfg.task.name is TaskName.reasoning and cfg.run.steps == 40
+    t = make_task(cfg.task)
+    longest = max(len(t.solution(p.prompt)) for p in t.problems("heldout"))
+    assert cfg.rollout.max_new_tokens >= longest + 1                    # + EOS
+    assert "reasoning" in cfg.rollout.model_path
+
+
+def test_base_model_builder_takes_the_task(tmp_path):
+    import json
+
+    from launch import make_base_model as mbm
+
+    args = mbm.parse_args(["--task", "reasoning", "--out", str(tmp_path / "m"), "--hidden", "32",
+                           "--layers", "1", "--heads", "2", "--batch-size", "4", "--max-steps", "2",
+                           "--eval-every", "2", "--n-eval", "2", "--n-train", "16",
+                           "--n-heldout", "4", "--response-tokens", "100", "--far-facts", "2",
+                           "--threads", "1", "--target-acc", "1.1"])
+    assert args.lr == mbm.TASK_DEFAULTS["reasoning"]["lr"]      # unset options: the task's
+    out = mbm.build(args, log=lambda s: None)
+    metrics = json.loads((out / mbm.METRICS).read_text())
+    assert metrics["task"]["name"] == "reasoning"
+    assert metrics["task"]["reasoning"] == {"facts": 3, "response_tokens": 100, "far_facts": 2}
+    default = mbm.parse_args([])
+    assert default.out == ".cache/models/tiny-base" and default.target_acc == 0.35
+    assert mbm.parse_args(["--task", "reasoning"]).out == ".cache/models/reasoning-base"
