@@ -1,0 +1,178 @@
+"""How concentrated a base model's attention is, per position bin (issue 28).
+
+    python bench/attention.py --model .cache/models/reasoning-base [--n 64] [--json]
+    python bench/attention.py --model .cache/models/tiny-base       # running_sum, for contrast
+
+Decodes ``--n`` held-out prompts of the model's task greedily with a dense cache, then runs each
+prompt + response once more through the model with eager attention and, for every query position
+that predicts a response token (every layer and head), measures:
+
+* ``top_share``: the share of its attention mass on its top ``--share`` (25%) of the keys it sees
+  (positions 0..q; a uniform head would give 0.25);
+* ``top_budget``: the share on its top ``--budget`` keys (default: ``--share`` of the mean
+  sequence length, i.e. the KV budget that share of the sequence would give);
+* ``far_mass``: the mass on keys more than ``--far`` positions back (default: the budget).
+
+Figures are means over heads, layers and sequences, per bin of ``--bin`` query positions (absolute:
+prompt included), plus the same per layer over all positions. The task is the one the model was
+built for (its ``sft_metrics.json``), or ``--task``. ``--json`` prints one JSON object instead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# Run as a script, bench/ leads sys.path (bench/buffer.py would shadow the buffer package).
+_HERE = str(Path(__file__).resolve().parent)
+sys.path[:] = [str(REPO)] + [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+
+def task_of(model_dir: Path, name: str | None):
+    """The task the model was SFT'd on (``sft_metrics.json``), or the named one with defaults."""
+    from tasks import ReasoningConfig, TaskConfig, make_task
+
+    metrics = model_dir / "sft_metrics.json"
+    saved = json.loads(metrics.read_text()).get("task", {}) if metrics.is_file() else {}
+    if name and saved.get("name", "running_sum") != name:
+        saved = {"name": name}
+    saved = dict(saved or {"name": name or "running_sum"})
+    reasoning = ReasoningConfig(**saved.pop("reasoning", {}))
+    keep = {k: v for k, v in saved.items() if k in ("name", "seed", "n_train", "n_heldout",
+                                                    "min_terms", "max_terms", "max_digit")}
+    return make_task(TaskConfig(**keep, reasoning=reasoning))
+
+
+def concentration(attn, first_query: int, share: float, budget: int, far: int):
+    """Per query position q >= first_query of one sequence: (top_share, top_budget, far_mass),
+    each a [layers, heads, queries] tensor, from ``attn`` = per layer [heads, T, T] weights."""
+    import torch
+
+    a = torch.stack([x.float() for x in attn])                 # [L, H, T, T]
+    t = a.shape[-1]
+    q = torch.arange(first_query, t)
+    rows = a[:, :, q, :]                                       # [L, H, Q, T]
+    ranked = rows.sort(dim=-1, descending=True).values.cumsum(-1)
+    seen = q + 1                                               # keys visible to each query
+    k_share = torch.clamp(torch.ceil(share * seen).long(), min=1) - 1
+    k_budget = torch.clamp(torch.minimum(torch.full_like(seen, budget), seen), min=1) - 1
+    idx = lambda k: k.view(1, 1, -1, 1).expand(a.shape[0], a.shape[1], -1, 1)  # noqa: E731
+    top_share = ranked.gather(-1, idx(k_share)).squeeze(-1)
+    top_budget = ranked.gather(-1, idx(k_budget)).squeeze(-1)
+    keys = torch.arange(t)
+    far_mask = (q.view(-1, 1) - keys.view(1, -1)) > far         # [Q, T]
+    far_mass = (rows * far_mask).sum(-1)
+    return top_share, top_budget, far_mass
+
+
+def measure(model_dir: Path, task_name: str | None = None, n: int = 64, share: float = 0.25,
+            budget: int | None = None, far: int | None = None, bin_tokens: int = 64,
+            log=print) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from launch.make_base_model import generate
+
+    task = task_of(model_dir, task_name)
+    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True,
+                                                 attn_implementation="eager").eval()
+    problems = task.problems("heldout")[:n]
+    max_new = max(len(task.solution(p.prompt)) for p in problems) + 16
+    responses = generate(model, tok, [p.prompt for p in problems], max_new)
+    acc = sum(task.reward(r, p.answer) for r, p in zip(responses, problems)) / len(problems)
+    seqs = []
+    for p, r in zip(problems, responses):
+        ids = tok(p.prompt)["input_ids"]
+        seqs.append((ids, ids + tok(r, add_special_tokens=False)["input_ids"]))
+    mean_len = sum(len(s) for _, s in seqs) / len(seqs)
+    budget = budget or max(1, round(share * mean_len))
+    far = budget if far is None else far
+    log(f"[attention] {model_dir}: {task.name}, {len(problems)} held-out prompts decoded dense "
+        f"(greedy acc {acc:.3f}), mean sequence {mean_len:.1f} tokens; top {share:.0%} of keys, "
+        f"top {budget} keys, mass beyond {far} back")
+    bins: dict[int, list] = {}
+    layers = None
+    with torch.no_grad():
+        for prompt_ids, ids in seqs:
+            out = model(input_ids=torch.tensor([ids]), output_attentions=True)
+            attn = [x[0] for x in out.attentions]
+            # query q predicts token q + 1: the response's tokens from len(prompt) - 1 on
+            ts, tb, fm = concentration(attn, len(prompt_ids) - 1, share, budget, far)
+            ts, tb, fm = ts[..., :-1], tb[..., :-1], fm[..., :-1]   # the last query predicts past it
+            if layers is None:
+                layers = [[0.0, 0.0, 0.0, 0] for _ in range(ts.shape[0])]
+            for li in range(ts.shape[0]):
+                acc_l = layers[li]
+                acc_l[0] += ts[li].sum().item()
+                acc_l[1] += tb[li].sum().item()
+                acc_l[2] += fm[li].sum().item()
+                acc_l[3] += ts[li].numel()
+            qpos = torch.arange(len(prompt_ids) - 1, len(prompt_ids) - 1 + ts.shape[-1])
+            for b in sorted(set((qpos // bin_tokens).tolist())):
+                sel = (qpos // bin_tokens) == b
+                row = bins.setdefault(b, [0.0, 0.0, 0.0, 0, 0])
+                row[0] += ts[..., sel].sum().item()
+                row[1] += tb[..., sel].sum().item()
+                row[2] += fm[..., sel].sum().item()
+                row[3] += ts[..., sel].numel()
+                row[4] += int(sel.sum())
+    per_bin = [{"bin": f"{b * bin_tokens}-{(b + 1) * bin_tokens - 1}", "queries": r[4],
+                "top_share": r[0] / r[3], "top_budget": r[1] / r[3], "far_mass": r[2] / r[3]}
+               for b, r in sorted(bins.items())]
+    per_layer = [{"layer": i, "top_share": r[0] / r[3], "top_budget": r[1] / r[3],
+                  "far_mass": r[2] / r[3]} for i, r in enumerate(layers)]
+    tot = [sum(r[i] for r in layers) for i in range(4)]
+    return {"model": str(model_dir), "task": task.name, "n": len(problems), "acc_dense": acc,
+            "mean_seq_tokens": mean_len, "share": share, "budget": budget, "far": far,
+            "bin_tokens": bin_tokens, "all": {"top_share": tot[0] / tot[3],
+                                              "top_budget": tot[1] / tot[3],
+                                              "far_mass": tot[2] / tot[3]},
+            "per_bin": per_bin, "per_layer": per_layer}
+
+
+def table(res: dict) -> str:
+    s, b, f = f"top {res['share']:.0%} keys", f"top {res['budget']} keys", f"mass >{res['far']} back"
+    lines = [f"| query positions | queries | {s} | {b} | {f} |", "|---|---|---|---|---|"]
+    for r in res["per_bin"]:
+        lines.append(f"| {r['bin']} | {r['queries']} | {r['top_share']:.3f} | "
+                     f"{r['top_budget']:.3f} | {r['far_mass']:.3f} |")
+    a = res["all"]
+    lines.append(f"| all | | {a['top_share']:.3f} | {a['top_budget']:.3f} | {a['far_mass']:.3f} |")
+    lines += ["", f"| layer | {s} | {b} | {f} |", "|---|---|---|---|"]
+    for r in res["per_layer"]:
+        lines.append(f"| {r['layer']} | {r['top_share']:.3f} | {r['top_budget']:.3f} | "
+                     f"{r['far_mass']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="bench/attention.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, default=REPO / ".cache/models/reasoning-base")
+    ap.add_argument("--task", default=None, help="default: the task the model was built for")
+    ap.add_argument("--n", type=int, default=64, help="held-out prompts")
+    ap.add_argument("--share", type=float, default=0.25, help="top share of the keys seen")
+    ap.add_argument("--budget", type=int, default=None,
+                    help="top-k keys (default: --share of the mean sequence length)")
+    ap.add_argument("--far", type=int, default=None, help="far_mass distance (default: budget)")
+    ap.add_argument("--bin", type=int, default=64, help="query positions per bin")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if not 0 < args.share <= 1 or args.n < 1 or args.bin < 1:
+        ap.error("--share in (0, 1], --n and --bin >= 1")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    res = measure(args.model, args.task, args.n, args.share, args.budget, args.far, args.bin,
+                  log=(lambda s: print(s, file=sys.stderr)) if args.json else print)
+    print(json.dumps(res, indent=1) if args.json else table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
