@@ -103,7 +103,8 @@ def measure(model_dir: Path, task_name: str | None = None, n: int = 64, share: f
             attn = [x[0] for x in out.attentions]
             # query q predicts token q + 1: the response's tokens from len(prompt) - 1 on
             ts, tb, fm = concentration(attn, len(prompt_ids) - 1, share, budget, far)
-            ts, tb, fm = ts[..., :-1], tb[..., :-1], fm[..., :-1]   # the last query predicts past it
+            # the last query would predict past the sequence
+            ts, tb, fm = ts[..., :-1], tb[..., :-1], fm[..., :-1]
             if layers is None:
                 layers = [[0.0, 0.0, 0.0, 0] for _ in range(ts.shape[0])]
             for li in range(ts.shape[0]):
@@ -136,7 +137,8 @@ def measure(model_dir: Path, task_name: str | None = None, n: int = 64, share: f
 
 
 def table(res: dict) -> str:
-    s, b, f = f"top {res['share']:.0%} keys", f"top {res['budget']} keys", f"mass >{res['far']} back"
+    s, b = f"top {res['share']:.0%} keys", f"top {res['budget']} keys"
+    f = f"mass >{res['far']} back"
     lines = [f"| query positions | queries | {s} | {b} | {f} |", "|---|---|---|---|---|"]
     for r in res["per_bin"]:
         lines.append(f"| {r['bin']} | {r['queries']} | {r['top_share']:.3f} | "

@@ -53,7 +53,8 @@ def test_worked_example():
     assert lines[1] == "step 1: r=a=7." and lines[5] == "step 2: r-b=7-5=2."
     assert lines[9] == "step 3: r*c=2*4=8." and lines[-1] == "answer=8"
     assert lines[2].startswith("(1) ") and lines[3] == "(2) recall a=7 b=5."
-    assert lines[4] == "(3) so far r=7 at step 1; next -b." and lines[-2] == "(3) so far r=8 at step 3; done."
+    assert lines[4] == "(3) so far r=7 at step 1; next -b."
+    assert lines[-2] == "(3) so far r=8 at step 3; done."
     assert " c=4" not in sol                                       # only in the prompt
 
 
