@@ -1,6 +1,6 @@
 """How concentrated a base model's attention is, per position bin (issue 28).
 
-    python bench/attention.py --model .cache/models/reasoning-base [--n 64] [--json]
+    python bench/attention.py --model .cache/models/reasoning-base [--n 64] [--json PATH]
     python bench/attention.py --model .cache/models/tiny-base       # running_sum, for contrast
 
 Decodes ``--n`` held-out prompts of the model's task greedily with a dense cache, then runs each
@@ -15,7 +15,8 @@ that predicts a response token (every layer and head), measures:
 
 Figures are means over heads, layers and sequences, per bin of ``--bin`` query positions (absolute:
 prompt included), plus the same per layer over all positions. The task is the one the model was
-built for (its ``sft_metrics.json``), or ``--task``. ``--json`` prints one JSON object instead.
+built for (its ``sft_metrics.json``), or ``--task``. ``--json PATH`` also writes them as one JSON
+object.
 """
 from __future__ import annotations
 
@@ -163,16 +164,17 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--far", type=int, default=None, help="far_mass distance (default: budget)")
     ap.add_argument("--bin", type=int, default=64, help="query positions per bin")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", metavar="PATH", help="write the figures as one JSON object")
     args = ap.parse_args(argv)
     if not 0 < args.share <= 1 or args.n < 1 or args.bin < 1:
         ap.error("--share in (0, 1], --n and --bin >= 1")
     import torch
 
     torch.set_num_threads(args.threads)
-    res = measure(args.model, args.task, args.n, args.share, args.budget, args.far, args.bin,
-                  log=(lambda s: print(s, file=sys.stderr)) if args.json else print)
-    print(json.dumps(res, indent=1) if args.json else table(res))
+    res = measure(args.model, args.task, args.n, args.share, args.budget, args.far, args.bin)
+    print(table(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
     return 0
 
 

@@ -143,3 +143,21 @@ def test_base_model_builder_takes_the_task(tmp_path):
     default = mbm.parse_args([])
     assert default.out == ".cache/models/tiny-base" and default.target_acc == 0.35
     assert mbm.parse_args(["--task", "reasoning"]).out == ".cache/models/reasoning-base"
+
+
+def test_attention_concentration_of_a_uniform_head():
+    import torch
+
+    from bench.attention import concentration
+
+    t = 8
+    causal = torch.tril(torch.ones(t, t))
+    attn = [(causal / causal.sum(-1, keepdim=True)).unsqueeze(0)]       # 1 layer, 1 head
+    top_share, top_budget, far = concentration(attn, 3, share=0.25, budget=2, far=2)
+    seen = torch.arange(3, t) + 1
+    assert torch.allclose(top_share[0, 0], torch.ceil(0.25 * seen) / seen)
+    assert torch.allclose(top_budget[0, 0], 2 / seen)
+    assert torch.allclose(far[0, 0], (seen - 3).clamp(min=0) / seen)   # keys more than 2 back
+    one_hot = torch.zeros(1, t, t)
+    one_hot[0, :, 0] = 1.0                                               # all mass on the sink
+    assert torch.allclose(concentration([one_hot], 3, 0.25, 2, 2)[0], torch.ones(1, 1, t - 3))
