@@ -92,3 +92,17 @@ def test_zero_gpu_ray_actor_is_assigned_no_gpu(local_ray):
 
     assert ray.get(Probe.remote().device.remote(), timeout=60) == ([], "cpu")
     assert devices.ray_gpu_ids() is None
+
+
+def test_a_cuda_vllm_in_an_actor_given_no_gpu_is_refused(monkeypatch):
+    from actors.vllm.engine import _check_gpu_assigned
+    from common import devices
+    from common.errors import ConfigError
+
+    monkeypatch.setattr(devices, "ray_gpu_ids", lambda: [])
+    with pytest.raises(ConfigError, match="cluster.rollout_gpus.*assigned no GPU"):
+        _check_gpu_assigned(cpu=False)
+    _check_gpu_assigned(cpu=True)                       # the CPU build runs anywhere
+    for ids in (["0"], None):                           # given a GPU; or no Ray worker at all
+        monkeypatch.setattr(devices, "ray_gpu_ids", lambda ids=ids: ids)
+        _check_gpu_assigned(cpu=False)

@@ -54,10 +54,11 @@ ADAPTER, ADAPTER_ID = "distill_sparse", 1     # the one LoRA adapter an engine s
 
 def _check_gpu_assigned(cpu: bool) -> None:
     """A CUDA build of vLLM in a process Ray gave no GPU would still find the node's GPUs (Ray
-    leaves CUDA_VISIBLE_DEVICES alone then) and take memory on one another actor owns."""
-    from common.devices import assigned_device
+    leaves CUDA_VISIBLE_DEVICES alone then) and take memory on one another actor owns. Only a
+    Ray worker that was assigned none is refused; elsewhere vLLM finds what it finds."""
+    from common.devices import ray_gpu_ids
 
-    if not cpu and assigned_device().type != "cuda":
+    if not cpu and ray_gpu_ids() == []:
         raise ConfigError("cluster.rollout_gpus", 0, ">= 1 with a CUDA build of vLLM (this "
                           "rollout actor was assigned no GPU); or the CPU build (make vllm)")
 
