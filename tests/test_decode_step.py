@@ -46,7 +46,7 @@ def test_compiled_step_runs_a_generation_without_graph_break_or_recompile(model,
     eng.stepper = StepRunner("compile", backend="eager")
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = eng.generate(prompts, params)
-    assert eng._kept_pool[1].rows == bucket(len(prompts))        # padded with an inert row
+    assert eng._kept_pool[1].rows == len(prompts)                # no rows beyond the batch
     for w, g in zip(want, got):
         assert g.response_ids == w.response_ids
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs),
@@ -93,8 +93,6 @@ def test_compression_ops_do_not_grow_with_the_batch(profile_rows):
 def test_step_modes_resolve_by_device():
     assert StepRunner().resolve(torch.device("cpu")) == "eager"
     assert StepRunner().resolve(torch.device("cuda")) == "graphs"
-    assert StepRunner("compile").pool_rows(5, torch.device("cpu")) == 8
-    assert StepRunner("eager").pool_rows(5, torch.device("cpu")) == 5
     with pytest.raises(ValueError, match="'graphs' needs a CUDA device"):
         StepRunner("graphs").resolve(torch.device("cpu"))
     with pytest.raises(ValueError, match="step mode must be one of"):
@@ -131,3 +129,28 @@ def test_a_stop_read_one_step_late_is_rolled_back_exactly(model, batch_size):
             [g.prompt_ids], SamplingParams(max_new_tokens=n, temperature=0))[0]
         assert g.kept_ratio == pytest.approx(alone.kept_ratio, abs=1e-12)
         assert g.peak_kv_bytes == alone.peak_kv_bytes
+
+
+def test_compiled_step_pads_with_free_rows_one_graph_per_bucket(model):
+    """Rows of different lengths (a teacher-forced replay: 24, 24, 24, 10, 10, 10 tokens) leave
+    the batch: the live rows go from 6 (the pool's rows, bucket 8 capped) to 3, stepped as bucket
+    4 with a free row of the pool as padding; each bucket is traced once, and the padded steps
+    give the eager step's log-probs."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    prompts = [list(range(5, 13)), [7, 8, 9, 10], list(range(20, 30)), [3, 4, 5], [9, 9, 9],
+               [11, 12]]
+    params = SamplingParams(max_new_tokens=24, temperature=0)
+    free = NativeEngine(model, kv("snapkv"), step="eager").generate(prompts, params)
+    responses = [o.response_ids[:24 if i < 3 else 10] for i, o in enumerate(free)]
+    want = NativeEngine(model, kv("snapkv"), step="eager").replay(prompts, responses, params)
+    torch._dynamo.reset()
+    counters.clear()
+    eng = NativeEngine(model, kv("snapkv"))
+    eng.stepper = StepRunner("compile", backend="eager")
+    got = eng.replay(prompts, responses, params)
+    assert counters["stats"]["unique_graphs"] == 2                 # buckets 6 (8 capped) and 4
+    for w, g in zip(want, got):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)

@@ -27,7 +27,7 @@ One call to ``generate`` runs the prompts in batches of ``batch_size``. Per batc
 
 Log-probs are those of the distribution each token was sampled from (``sampling.py``). Memory: the
 slot pool, allocated once per call (kept between calls of the same shape when the step is
-captured), holds ``rows * cap`` tokens, rows = min(batch_size, prompts) (bucketed when captured),
+captured), holds ``rows * cap`` tokens, rows = min(batch_size, prompts),
 cap = ``budget + compress_every`` (sparse) or ``longest prompt + max_new_tokens`` (dense);
 ``GenerationOutput.peak_kv_bytes`` is the most tokens a sequence had stored (all layers, K and
 V); ``last_stats`` has the pool's ``allocated_kv_bytes``, ``peak_kv_bytes`` (the most bytes held
@@ -227,7 +227,7 @@ class NativeEngine:
         """The slot pool of a call. A captured step (CUDA graphs, compile) keeps it for the next
         call of the same shape, so its graphs stay valid; eager calls allocate their own."""
         dec, pol = self.dec, self.policy
-        spec = (self.stepper.pool_rows(rows, self.device), cap, pol == KVPolicy.h2o,
+        spec = (rows, cap, pol == KVPolicy.h2o,
                 self.kv.obs_window if pol in (KVPolicy.snapkv, KVPolicy.rkv) else 0,
                 self.device, dec.dtype, dec.n_layers, dec.n_kv, dec.n_heads, dec.head_dim)
         if self._kept_pool is not None and self._kept_pool[0] == spec:

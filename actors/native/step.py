@@ -13,8 +13,8 @@ counts by arithmetic, and with ``s`` fixed (the pool's capacity) every call has 
 - ``compile``: ``torch.compile(fullgraph=True, dynamic=False)`` of the same function at ``s`` =
   capacity and a bucketed row count: one graph per bucket, none re-traced between compressions
   (``tests/test_decode_step.py``).
-- ``graphs`` (CUDA): one CUDA graph per row bucket (``BUCKETS``; the live rows padded with inert
-  ones) and span (``s`` rounded up to ``SPAN`` slots, so a dense cache does not read its whole
+- ``graphs`` (CUDA): one CUDA graph per row bucket (``BUCKETS``, capped at the pool's rows; the
+  live rows padded with inert ones: rows of the pool that are free) and span (``s`` rounded up to ``SPAN`` slots, so a dense cache does not read its whole
   capacity from the first step), captured in one shared memory pool and replayed between
   compressions, so a step costs one launch instead of ~30 kernels per layer.
 """
@@ -84,9 +84,6 @@ class StepRunner:
             raise ValueError("native engine: step mode 'graphs' needs a CUDA device")
         return self.mode
 
-    def pool_rows(self, rows: int, device: torch.device) -> int:
-        """Rows a pool for ``rows`` live sequences allocates (bucketed when captured)."""
-        return rows if self.resolve(device) == "eager" else bucket(rows)
 
     def __call__(self, dec, pool, rope, live: int, longest: int, h2o: bool) -> torch.Tensor:
         """Logits [live, V] of the next step; ``longest``: the most slots a live row holds (host
