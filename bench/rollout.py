@@ -85,10 +85,10 @@ from actors.config import KVConfig  # noqa: E402
 from actors.engine import SamplingParams  # noqa: E402
 from actors.native import NativeEngine  # noqa: E402
 from bench import rollout_vllm as rv  # noqa: E402
+from bench.rollout_rows import POLICIES, kv_bytes_per_token, prompts  # noqa: E402,F401
 from common.dtypes import Dtype, torch_dtype  # noqa: E402
 from common.modeling import load_model  # noqa: E402
 
-POLICIES = ("streaming", "h2o", "snapkv", "rkv")
 FIELDS = ("model", "engine", "policy", "budget_frac", "budget", "compress_every", "gen_len", "batch",
           "tok_per_s", "peak_kv_bytes", "speed_vs_dense", "kv_vs_dense", "attn_slots",
           "attn_vs_dense", "seconds", "params", "memory_matched", "dtype", "equal_pool",
@@ -123,11 +123,6 @@ def model_dirs(names: list[str], tmp: Path) -> dict[str, Path]:
                                  num_attention_heads=heads, num_key_value_heads=kv,
                                  vocab_size=vocab, intermediate_size=2048)
     return {n: out[n] for n in names}
-
-
-def prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (batch, prompt_len), generator=g).tolist()
 
 
 def native_engine(model, gen_len: int, policy: str, frac: float | None, every: int,
@@ -170,13 +165,6 @@ def run_native(model, ps, gen_len: int, policy: str, frac: float | None, every: 
             "compress_every": every if policy != "dense" else 0,
             "tok_per_s": toks / dt, "peak_kv_bytes": eng.last_stats["allocated_kv_bytes"],
             "attn_slots": eng.last_stats["attended_slots"], "seconds": dt}
-
-
-def kv_bytes_per_token(model) -> int:
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    elem = next(model.parameters()).element_size()
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem
 
 
 def run_hf(model, ps, gen_len: int, cache: str) -> dict:

@@ -65,7 +65,7 @@ if str(ROOT) not in sys.path:
 from actors.config import KVConfig  # noqa: E402
 from actors.engine import SamplingParams  # noqa: E402
 from actors.native import NativeEngine  # noqa: E402
-from bench.rollout import POLICIES, kv_bytes_per_token, prompts  # noqa: E402
+from bench.rollout_rows import POLICIES, kv_bytes_per_token, prompts  # noqa: E402
 from common.dtypes import Dtype, torch_dtype  # noqa: E402
 
 # Public Qwen2.5 configs (config.json of Qwen/Qwen2.5-*); the "qwen2.5" test family adds q/k/v
