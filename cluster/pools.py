@@ -24,7 +24,7 @@ class Pools:
     # actor_id of each rollout actor (parallel to ``rollout``): it seeds the actor's sampling, so a
     # replacement takes over its predecessor's id and regenerates exactly its chunk of a batch
     rollout_ids: list = field(default_factory=list)
-    # run.rollouts_ahead in async mode: rollout batches kept in flight (launch.steps)
+    # run.rollouts_ahead in async mode: rollout batches kept in flight (launch.rollouts)
     rollouts_ahead: int = 1
     # buffer.stale_policy=requeue: each rollout launch first takes the buffer's requeued prompts
     requeue: bool = False
@@ -36,6 +36,8 @@ class Pools:
     buffer_root: str | None = None
     spawn_buffer: Callable | None = None
     run_dir: str | None = None
+    # the driver's handle on the buffer that re-creates a lost actor (launch.recovery.buffer)
+    recovering_buffer: object = None
     # the training batch the driver holds (sample_batch until mark_consumed): (num_groups,
     # version, sample ids), leased again on a re-created buffer
     buffer_lease: tuple | None = None

@@ -110,7 +110,7 @@ class Faults:
         trained on: none when the step was skipped)."""
         import ray
 
-        from launch.recovery import call as buffer_call
+        from launch.recovery import buffer
         from learner.batch import prepare_batch, reduce_metrics, shard_batch
         from learner.screen import DERIVED, INPUTS, find_poison
 
@@ -127,7 +127,7 @@ class Faults:
         shards = shard_batch(tensors, len(pools.learners))
         metrics = reduce_metrics(ray.get([lrn.train_step.remote(sh, cfg.rollout.temperature)
                                           for lrn, sh in zip(pools.learners, shards)])) | corr
-        buffer_call(pools, "mark_consumed", ids)
+        buffer(pools).mark_consumed(ids)
         refused = int(metrics.get("learner/skipped_steps", 0))
         self.counts["skipped_optimizer_steps"] += refused
         if refused and not metrics.get("learner/optimizer_steps"):
@@ -142,7 +142,7 @@ class Faults:
 
     def _drop_poisoned(self, pools, batch, poison, step: int) -> None:
         """Retire the groups holding poisoned samples; give the clean groups back."""
-        from launch.recovery import call as buffer_call
+        from launch.recovery import buffer
 
         groups = batch.column("group_id").to_pylist()
         ids = batch.column("sample_id").to_pylist()
@@ -150,9 +150,9 @@ class Faults:
         bad = {g for g, s in zip(groups, ids) if s in poisoned}
         drop = [s for g, s in zip(groups, ids) if g in bad]
         keep = [s for g, s in zip(groups, ids) if g not in bad]
-        buffer_call(pools, "mark_consumed", drop)
+        buffer(pools).mark_consumed(drop)
         if keep:
-            buffer_call(pools, "release", keep)
+            buffer(pools).release(keep)
         self.counts["dropped_samples"] += len(drop)
         self.counts["released_samples"] += len(keep)
         self.event(step, "batch skipped", f"non-finite {poison.cause}",

@@ -1,7 +1,7 @@
 """Where a run's metrics go besides ``metrics.jsonl``: TensorBoard, optional wandb, Ray gauges,
 and progress bars on a terminal.
 
-``MetricsLog`` (launch/steps.py) owns one ``Sinks`` and hands it every record it writes, so every
+``MetricsLog`` (launch/metrics.py) owns one ``Sinks`` and hands it every record it writes, so every
 number in ``metrics.jsonl`` also lands in the TensorBoard event file under the same name.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The replay buffer actor, re-created from its segment files when it dies mid-run.
 
-Only the driver talks to the buffer, and always through ``call``. When a call fails with
+Only the driver talks to the buffer, and always through ``call`` (``buffer(pools).method(...)``). When a call fails with
 ``RayActorError`` (the actor's process was killed, ``ray.kill``, its node lost) a new buffer actor
 starts on the same ``buffer.root``; its constructor replays the segments (``ReplayBuffer._recover``),
 so it holds exactly the acknowledged operations of its predecessor. The call is then made once more.
@@ -26,6 +26,27 @@ START_TIMEOUT_S = 600.0
 class BufferLost(RuntimeError):
     """The buffer actor died and could not be re-created without risk; the message ends in the
     ``resume=`` to run (``launch/train.py`` prints it as one line, exit 1)."""
+
+
+class Buffer:
+    """The buffer actor as the driver uses it: ``buffer(pools).append(rows)`` is ``call(pools,
+    "append", rows)``, so every call site reads as a method call and every call recovers."""
+
+    def __init__(self, pools):
+        self._pools = pools
+
+    def __getattr__(self, method: str):
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return lambda *args, **kwargs: call(self._pools, method, *args, **kwargs)
+
+
+def buffer(pools) -> Buffer:
+    """The recovering buffer handle of ``pools`` (one per pools: made on first use)."""
+    handle = getattr(pools, "recovering_buffer", None)
+    if handle is None:
+        handle = pools.recovering_buffer = Buffer(pools)
+    return handle
 
 
 def call(pools, method: str, *args, on_retry=None, **kwargs):

@@ -51,10 +51,10 @@ def request(run_dir: str | Path, sizes: dict[str, int]) -> Path:
 
 def apply_requested(run_dir: str | Path, in_flight, pools, cfg, version: int, note=None) -> dict:
     """The pending request of ``run_dir``, if any, applied (see the module doc; ``note``: as for
-    ``launch.steps.land_rollouts``). Returns metrics:
+    ``launch.rollouts.land_rollouts``). Returns metrics:
     the pool sizes after a resize (``resize/rollout_actors``, ``resize/scorer_actors``), or {}."""
     from cluster.elastic import resize_pool
-    from launch.steps import land_rollouts
+    from launch.rollouts import land_rollouts
 
     path = Path(run_dir) / REQUEST
     if not path.is_file():

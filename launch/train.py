@@ -55,17 +55,20 @@ def main(argv: list[str]) -> dict:
     from buffer.tensors import to_tensors
     from cluster.pools import broadcast_weights, build_pools, connect_weight_sync, on_learners
     from launch.faults import Faults
-    from launch.recovery import call as buffer  # a lost buffer actor is re-created, the call repeated
+    from launch.evaluate import evaluate_sets
+    from launch.metrics import MetricsLog, batch_metrics, buffer_depth
+    from launch.recovery import buffer  # a lost buffer actor is re-created, the call repeated
     from launch.resize import apply_requested
-    from launch.steps import (MetricsLog, PromptSampler, batch_metrics, buffer_depth, evaluate_sets,
-                              fill_rollouts, gather_rollouts, land_rollouts, replan_schedule,
-                              score_pending, sync_weights)
+    from launch.rollouts import PromptSampler, fill_rollouts, gather_rollouts, land_rollouts
+    from launch.scoring import score_pending, sync_weights
+    from schedule.replan import replan_schedule
 
     t_start = time.time()
     log = MetricsLog(run_dir, cfg.run)  # + TensorBoard (run.tensorboard), wandb, Ray gauges
     sampler = PromptSampler(train, cfg.run.prompts_per_step, cfg.run.seed)
 
     pools = build_pools(cfg, str(run_dir))  # waits for every actor: cluster.placement_timeout_s
+    store = buffer(pools)  # the replay buffer actor, re-created from its segments if it dies
     faults = Faults(run_dir, cfg.run.max_consecutive_skips, pools.faults)  # + skips, failed rewards
 
     # 4. Resuming: learners (weights, optimiser, RNG), buffer rows and data position come back.
@@ -100,7 +103,7 @@ def main(argv: list[str]) -> dict:
         faults.note_rewards(step, rows)  # rewards that raised or timed out: 0, marked, counted
         if overlap:  # async: the next rollouts start now, with the current weights, and
             fill_rollouts(in_flight, pools, sampler, version, cfg.run.steps)  # overlap training
-        buffer(pools, "append", rows)
+        store.append(rows)
         t_roll = time.time() - t0
 
         # 6b. Dense scorer: old-policy log-probs for every row waiting for them.
@@ -109,7 +112,7 @@ def main(argv: list[str]) -> dict:
         # 6c. A batch of whole groups within the staleness bound -> padded tensors; GRPO advantages
         # and the correction (IS weights, rejection) over the whole batch, then whole groups per
         # learner, so the update does not depend on how the batch is split.
-        batch = buffer(pools, "sample_batch", cfg.run.prompts_per_step, version)
+        batch = store.sample_batch(cfg.run.prompts_per_step, version)
         if batch is None:
             raise RuntimeError(f"step {step}: the buffer had no complete scored groups to train on")
 

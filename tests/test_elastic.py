@@ -205,7 +205,8 @@ def test_driver_regenerates_a_dead_actors_share_and_scores_after_a_scorer_dies(r
     ray, _ = ray_env
     from buffer import BufferConfig, ReplayBuffer
     from cluster.pools import broadcast_weights
-    from launch.steps import PromptSampler, gather_rollouts, launch_rollouts, score_pending
+    from launch.rollouts import PromptSampler, gather_rollouts, launch_rollouts
+    from launch.scoring import score_pending
 
     pools, cfg = pools_cfg
     v = train_step(ray, pools, seed=7)
@@ -334,7 +335,7 @@ def test_a_peer_dying_mid_broadcast_is_an_error_the_driver_heals(ray_env, pools_
     from dataclasses import replace
 
     from cluster.elastic import sync_all
-    from launch.steps import sync_weights
+    from launch.scoring import sync_weights
 
     pools, cfg = pools_cfg
     short = SimpleNamespace(**vars(cfg))
@@ -382,7 +383,7 @@ def test_a_resize_request_lands_rollouts_in_flight_then_grows_and_shrinks_the_po
     from buffer import BufferConfig, ReplayBuffer
     from cluster.pools import broadcast_weights
     from launch.resize import REQUEST, apply_requested, request
-    from launch.steps import PromptSampler, launch_rollouts
+    from launch.rollouts import PromptSampler, launch_rollouts
 
     pools, cfg = pools_cfg
     pools.buffer = ray.remote(num_cpus=0)(ReplayBuffer).remote(BufferConfig())

@@ -157,7 +157,7 @@ def test_rows_landed_before_a_checkpoint_are_counted_and_counts_survive_a_resume
         tmp_path, no_ray, capsys):
     """Rows that land in the buffer outside step 6a (before a checkpoint, a resize) are seen by
     ``note_rewards`` too; a resumed run starts from the checkpoint's counts, not from 0."""
-    from launch.steps import land_rollouts
+    from launch.rollouts import land_rollouts
 
     faults = Faults(tmp_path, 3)
     appended = []

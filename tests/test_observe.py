@@ -16,7 +16,7 @@ from common.errors import ConfigError
 from launch.config import RunConfig, TrainConfig, load_config
 from launch.helptext import config_keys, field_comments, first_sentence
 from launch.observe import HEADLINE, Sinks, bar, progress_on, scalars
-from launch.steps import MetricsLog
+from launch.metrics import MetricsLog
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -150,7 +150,7 @@ def test_field_comments_trailing_and_above():
 def test_batch_metrics_rollout_throughput_from_engine_time():
     import pyarrow as pa
 
-    from launch.steps import batch_metrics
+    from launch.metrics import batch_metrics
 
     batch = pa.table({"reward": [1.0, 0.0], "response_len": [3, 5], "kept_ratio": [0.5, 1.0],
                       "sampler_logprobs": [[0.0] * 3, [0.0] * 5],

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from buffer import BufferConfig, ReplayBuffer
 from buffer.synth import dense_scores, synthetic_rows
-from launch.steps import PromptSampler, launch_rollouts
+from launch.rollouts import PromptSampler, launch_rollouts
 from tasks.base import Problem
 
 

@@ -1,7 +1,7 @@
 """Driver-side helpers: deterministic prompt order with a resumable position, even splits."""
 import pytest
 
-from launch.steps import PromptSampler, split
+from launch.rollouts import PromptSampler, split
 
 
 def test_sampler_is_deterministic_and_covers_epoch():
@@ -31,7 +31,7 @@ def test_fill_rollouts_keeps_s_in_flight_counts_landed_ones_and_stops_at_the_las
     from collections import deque
     from types import SimpleNamespace
 
-    from launch.steps import fill_rollouts
+    from launch.rollouts import fill_rollouts
 
     calls = []
 

@@ -1,0 +1,85 @@
+"""Step 6e of ``launch/train.py`` for ``rollout.kv.schedule=dynamic``: every ``replan_every`` steps
+the rollout actors' probes and the engine's cost model give the next KV budget per position bin
+(``rollout.kv.planner``: the exact search or the table planner, ``schedule/plan.py``).
+"""
+from __future__ import annotations
+
+
+def replan_schedule(pools, cfg, step: int) -> dict:
+    """``rollout.kv.schedule=dynamic``: every ``replan_every`` steps, the rollout actors' probes
+    since the last re-plan and the engine's cost model give the next budget per bin
+    (``rollout.kv.planner``: ``_search_schedule`` or ``_table_schedule``), sent to every rollout
+    actor and kept in ``cfg.rollout.kv.budgets`` (so replacement actors and checkpoints carry
+    it). Returns the ``schedule/*`` metrics."""
+    import ray
+
+    from actors.config import KVObjective, KVPlanner, KVSchedule
+    from schedule.cost import CostModel, bin_cost
+
+    kv = cfg.rollout.kv
+    if KVSchedule(kv.schedule) != KVSchedule.dynamic or step % kv.replan_every:
+        return {}
+    cost = CostModel.from_dict(ray.get(pools.rollout[0].kv_cost_model.remote()))
+
+    def per_bin(counts: dict[int, int]):
+        return bin_cost(KVObjective(kv.objective).value, cost, kv.bin_tokens, kv.compress_every,
+                        cfg.rollout.batch_size, counts)
+
+    exact = KVPlanner(kv.planner) == KVPlanner.exact
+    found = (_search_schedule if exact else _table_schedule)(pools, kv, per_bin)
+    if found is None:
+        return {"schedule/replanned": 0}
+    budgets, info = found
+    ray.get([a.set_budgets.remote(budgets) for a in pools.rollout])
+    kv.budgets = list(budgets)
+    out = {"schedule/replanned": 1, "schedule/unmet_bins": len(info["unmet_bins"]),
+           "schedule/predicted_cost": info["predicted_cost"],
+           "schedule/cost_error_step": cost.error.get("step", 0.0),
+           "schedule/cost_error_compress": cost.error.get("compress", 0.0)}
+    if exact:
+        out["schedule/replays"] = info["replays"]
+    out.update({f"schedule/budget_bin{k}": b for k, b in enumerate(budgets)})
+    return out
+
+
+def _search_schedule(pools, kv, per_bin):
+    """``planner=exact``: ``schedule.plan.search`` over the probe sequences the rollout actors
+    kept, each candidate schedule replayed by every actor on its own; None without probes."""
+    import ray
+
+    from actors.probes import candidate_budgets
+    from schedule.plan import merge, search
+
+    summary = ray.get([a.probe_summary.remote() for a in pools.rollout])
+    counts: dict[int, int] = {}
+    for s in summary:
+        for k, n in s["counts"].items():
+            counts[k] = counts.get(k, 0) + n
+
+    def replay(schedules: list[list[int]]) -> list[dict]:
+        runs = ray.get([a.replay_probes.remote(schedules) for a in pools.rollout])
+        return [merge([{0: r[i]} for r in runs])[0] for i in range(len(schedules))]
+
+    found = None
+    if counts:
+        longest = max(s["longest"] for s in summary)
+        found = search(replay, candidate_budgets(kv, longest), kv.bin_tokens, per_bin(counts),
+                       kv.threshold, kv.margin)
+    ray.get([a.take_probes.remote() for a in pools.rollout])     # done with them
+    return found
+
+
+def _table_schedule(pools, kv, per_bin):
+    """``planner=table``: ``schedule.plan.plan`` over the actors' candidate-budget tables and
+    the realised agreement at the schedule in use; None without probes."""
+    import ray
+
+    from schedule.plan import merge, plan
+
+    probes = ray.get([a.take_probes.remote() for a in pools.rollout])
+    table = merge([p["table"] for p in probes])
+    if not table:
+        return None
+    realized = merge([{0: p["realized"]} for p in probes]).get(0, {})
+    counts = {k: len(v) for k, v in next(iter(table.values())).items()}
+    return plan(table, per_bin(counts), kv.threshold, kv.margin, realized, kv.bin_budgets())
