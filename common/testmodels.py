@@ -16,7 +16,7 @@ The one test-model builder of the project. Every family is built from transforme
 on ``device`` in ``dtype`` (nothing written: benchmarks of public shapes, e.g. Qwen2.5-1.5B on a
 GPU, in ``bench/rollout_gpu.py``).
 ``build_model(out_dir, family, seed, tokenizer=True, **overrides)`` saves the weights, the project's
-character tokenizer (``tasks/tokenizer.py``; the llama3 family's has no pad token, an extra ``<eot>``
+character tokenizer (``common/chartokenizer.py``; the llama3 family's has no pad token, an extra ``<eot>``
 special and a Llama-3-style chat template) and HF's ``generation_config.json``. Overrides use the HF
 config's own key names (``hidden_size``, ``num_key_value_heads``, ...); a ``vocab_size`` below the
 tokenizer's 260 ids keeps generation among the first ones (131: bytes 0-126, one ASCII character per
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-# 4 specials + 256 byte tokens (tasks/tokenizer.py); the llama3 family appends <eot> as id 260.
+# 4 specials + 256 byte tokens (common/chartokenizer.py); the llama3 family appends <eot> as id 260.
 CHAR_VOCAB = 260
 EOT = "<eot>"
 EOT_ID = CHAR_VOCAB
@@ -82,7 +82,7 @@ def model_config(family: str = "tiny", **overrides):
 
 def tokenizer_for(family: str = "tiny"):
     """The char tokenizer as the family ships it (see the module docstring)."""
-    from tasks.tokenizer import build_char_tokenizer
+    from common.chartokenizer import build_char_tokenizer
 
     if family == "llama3":
         tok = build_char_tokenizer(pad=False, extra_specials=(EOT,))

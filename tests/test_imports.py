@@ -103,8 +103,6 @@ KNOWN_UPWARD = {
         "the KubeRay renderer loads the training config a RayJob runs (launch.config.load_config: "
         "TrainConfig composes every section, RunConfig included); `python -m "
         "cluster.kuberay.render` is the documented command",
-    ("common.testmodels", "tasks.tokenizer"):
-        "the test-model builder uses the synthetic task's character tokenizer",
 }
 
 
