@@ -74,13 +74,14 @@ def measure(model_dir: Path, task_name: str | None = None, n: int = 64, share: f
             budget: int | None = None, far: int | None = None, bin_tokens: int = 64,
             log=print) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
+    from common.modeling import HF_WEIGHTS, load_tokenizer
     from launch.make_base_model import generate
 
     task = task_of(model_dir, task_name)
-    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True,
+    tok = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), **HF_WEIGHTS,
                                                  attn_implementation="eager").eval()
     problems = task.problems("heldout")[:n]
     max_new = max(len(task.solution(p.prompt)) for p in problems) + 16
