@@ -38,7 +38,9 @@ def test_raising_and_hanging_rewards_cost_only_their_sample():
     assert faults[2] == faults[4] == TIMEOUT
     assert is_error(faults[1]) and "RuntimeError: injected reward failure" in faults[1]
     assert runner.restarts == 2            # each hang killed its child, which was started again
-    assert 1.0 <= elapsed < 8.0            # two timeouts of 0.5 s, plus restarts, not an hour
+    # two timeouts of 0.5 s plus two child restarts: seconds, not the hang (a loaded machine may
+    # take several seconds per restart, so the bound only rules out waiting on the hung call)
+    assert 1.0 <= elapsed < 60.0
     assert runner.score([(good[0], "5")]) == [(1.0, None)]  # the runner goes on
     runner.close()
 
