@@ -43,7 +43,7 @@ TASK_DEFAULTS = {
                 "n_eval": 128, "target_acc": 0.35},
     "reasoning": {"out": ".cache/models/reasoning-base", "hidden": 128, "layers": 4, "heads": 4,
                   "batch_size": 16, "lr": 2e-3, "max_steps": 1500, "eval_every": 50,
-                  "n_eval": 128, "target_acc": 0.4},
+                  "n_eval": 128, "target_acc": 0.4, "drill": 4},
 }
 
 
@@ -65,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=None)
     p.add_argument("--n-eval", type=int, default=None, help="held-out problems per accuracy check")
     p.add_argument("--target-acc", type=float, default=None, help="stop once greedy acc >= this")
+    p.add_argument("--drill", type=int, default=None,
+                   help="arithmetic drill sequences added to each batch (tasks with a drill(): "
+                        "reasoning; loss on the results only; default 0, reasoning 4)")
     p.add_argument("--min-terms", type=int, default=TaskConfig.min_terms)
     p.add_argument("--max-terms", type=int, default=TaskConfig.max_terms)
     # --task reasoning: task.reasoning.* (tasks/reasoning.py); a model is built for one shape
@@ -80,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     # the default RL recipe was measured on both the 1- and the 2-thread model.
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
-    for key, value in TASK_DEFAULTS[args.task].items():
+    for key, value in {"drill": 0, **TASK_DEFAULTS[args.task]}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     return args
@@ -120,6 +123,19 @@ def encode_example(tok, prompt: str, response: str) -> tuple[list[int], list[int
     return p + r, [-100] * len(p) + r
 
 
+def encode_drill(tok, pairs: list[tuple[str, str]]) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of one drill sequence: ``question answer.`` lines, one per pair, with
+    the loss on the answers only."""
+    ids, labels = [], []
+    for question, answer in pairs:
+        q = tok(question, add_special_tokens=False)["input_ids"]
+        a = tok(answer, add_special_tokens=False)["input_ids"]
+        end = tok(".\n", add_special_tokens=False)["input_ids"]
+        ids += q + a + end
+        labels += [-100] * len(q) + a + [-100] * len(end)
+    return ids, labels
+
+
 def collate(examples, pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad a list of (input_ids, labels) into tensors."""
     width = max(len(ids) for ids, _ in examples)
@@ -156,6 +172,7 @@ def accuracy(model, tok, task, problems, max_new_tokens: int, greedy: bool = Tru
 def sft(model, tok, task, args, log=print) -> dict:
     """Train until held-out greedy accuracy >= target or max_steps; returns the metrics."""
     rng = random.Random(f"sft:{args.seed}")
+    drill_rng = random.Random(f"drill:{args.seed}")
     train = [encode_example(tok, p.prompt, task.solution(p.prompt)) for p in task.problems("train")]
     held = task.problems("heldout")[: args.n_eval]
     max_new = max(len(task.solution(p.prompt)) for p in task.problems("heldout")) + 8
@@ -165,7 +182,9 @@ def sft(model, tok, task, args, log=print) -> dict:
     t0, history, acc, step = time.time(), [], 0.0, 0
     while step < args.max_steps:
         model.train()
-        batch = collate(rng.sample(train, args.batch_size), tok.pad_token_id)
+        examples = rng.sample(train, args.batch_size)
+        examples += [encode_drill(tok, task.drill(drill_rng)) for _ in range(args.drill)]
+        batch = collate(examples, tok.pad_token_id)
         loss = model(**batch).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -209,6 +228,8 @@ def build(args, log=print) -> Path:
     torch.manual_seed(args.seed)
     task_cfg = task_config(args)
     task = make_task(task_cfg)
+    if args.drill and not hasattr(task, "drill"):
+        raise SystemExit(f"--drill: the {task.name} task has no arithmetic drill")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

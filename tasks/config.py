@@ -74,7 +74,7 @@ class ReasoningConfig:
     """The ``reasoning`` task's shape (tasks/reasoning.py); read only when task.name=reasoning."""
     facts: int = 3                # facts in the prompt (a=7 b=3 ...): the computation's steps
     # Target mean response length in tokens (one per character): the notes per gap (the same for
-    # every problem) are the count whose mean length comes closest; ~facts x 27 tokens per note
+    # every problem) are the count whose mean length comes closest (a note adds 15-35 tokens a gap)
     response_tokens: int = 320
     # Operands of the last far_facts steps appear only in the prompt (never restated): the tokens
     # far back that later steps need; 0: every step needs only its own last gap of notes

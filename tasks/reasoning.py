@@ -6,28 +6,34 @@ problem, recaps of partial results, re-derivations, filler), so most of its toke
 from the KV cache without changing the next token; only a tail of tokens (the facts that are stated
 once, far back) must survive. ``running_sum`` is the adversarial opposite and stays the stress test.
 
-Prompt (``facts`` = 4)::
+Prompt (``facts`` = 3)::
 
-    ask a=7 b=3 c=5 d=2 do a*b+c-d
+    ask a=7 b=5 c=4 do a-b+c
 
-Response (``far_facts`` = 1, 2 notes per gap; the answer is the text after the last '=')::
+Response (``far_facts`` = 1, 3 notes per gap, the default; the answer is the text after the
+last '=')::
 
-    we have a=7 b=3 c=5; do a*b+c-d mod 10.
+    we have a=7 b=5; do a-b+c.
     step 1: r=a=7.
-    note 1: recall a=7 b=3 c=5.
-    note 2: so far r=7 at step 1.
-    step 2: r*b=7*3=1.
-    note 1: recall a=7 b=3 c=5.
-    note 2: so far r=1 at step 2.
-    step 3: r+c=1+5=6.
-    ...
-    step 4: r-d=6-2=4.
-    note 1: recall a=7 b=3 c=5.
-    note 2: so far r=4 at step 4.
-    answer=4
+    (1) hmm.
+    (2) recall a=7 b=5.
+    (3) so far r=7 at step 1; next -b.
+    step 2: r-b=7-5=2.
+    (1) wait, let me think.
+    (2) recall a=7 b=5.
+    (3) so far r=2 at step 2; next +c.
+    step 3: r+c=2+4=6.
+    (1) ok so far.
+    (2) recall a=7 b=5.
+    (3) so far r=6 at step 3; done.
+    answer=6
 
-* The computation: ``r = a``, then ``r = r op x`` for the next fact ``x`` (ops ``+ - *``, mod 10,
-  left to right); facts are digits 1..9. Each step needs the previous ``r`` and one fact.
+* The computation: the expression names every fact once, in a random order (``do b-a+c``):
+  ``r`` = its first fact, then ``r = r op x`` for each next fact ``x``, left to right. Facts are
+  digits 1..9, ops ``+`` and ``-`` (``-`` only where the result stays >= 0, so every
+  intermediate result is a whole number 0..9 x facts). Each step needs the previous ``r`` and
+  one fact, looked up by its letter. (Plain rather than modular arithmetic, and no ``*``: the
+  tiny base model learns sums far faster than a mod-10 table.)
 * After every step comes a gap of ``N`` numbered notes, the same ``N`` for every gap and problem.
   Counting from the end of the gap, the note types cycle ``recap`` (``so far r=R at step S``),
   ``facts`` (the facts restated), ``goal`` (the expression restated), ``hesitate`` (one of four
@@ -38,12 +44,12 @@ Response (``far_facts`` = 1, 2 notes per gap; the answer is the text after the l
 * ``far_facts`` (knob: how many tokens later steps need from far back): the operands of the last
   ``far_facts`` steps are never restated in the response (not in the header nor in the ``facts``
   notes), so those steps must read their value from the prompt, ~4 tokens each, hundreds of tokens
-  back. ``far_facts=0``: everything a step needs is in its own last gap; ``far_facts=facts``:
-  every operand comes from the prompt.
+  back. ``far_facts=0``: everything a step needs is in its own last gap; ``far_facts=facts-1``
+  (the most): only the first operand is restated.
 * ``response_tokens`` (knob: response length): ``N`` is the notes-per-gap count whose mean
   response length (the tokenizer is one token per character) over a fixed sample of problems is
-  closest to it; the length grows by ~``facts`` x 27 tokens per note, and varies by a few tokens
-  between problems (digits, the hesitation phrases).
+  closest to it; each note adds 15-35 tokens to each of the ``facts`` gaps, and the length
+  varies by a few tokens between problems (digits, the hesitation phrases).
 
 The worked response is a function of the prompt and the config (the hesitation draws are seeded by
 the prompt's hash), so the answer and the SFT target are reproducible.
@@ -55,7 +61,7 @@ import zlib
 
 from tasks.synthetic import LETTERS, SyntheticTask
 
-OPS = "+-*"
+OPS = "+-"
 HESITATIONS = ("hmm.", "wait, let me think.", "ok so far.", "let me check again.")
 # Note types of a gap, counted backwards from its last note (the one right before the next step).
 NOTE_CYCLE = ("recap", "facts", "hesitate", "redo", "goal", "hesitate")
@@ -66,28 +72,32 @@ _CALIBRATION_PROBLEMS = 64
 
 
 def apply(op: str, x: int, y: int) -> int:
-    """``x op y`` mod 10."""
+    """``x op y``."""
     if op == "+":
-        return (x + y) % 10
+        return x + y
     if op == "-":
-        return (x - y) % 10
-    if op == "*":
-        return (x * y) % 10
+        return x - y
     raise ValueError(f"unknown op {op!r}")
 
 
-def parse_prompt(prompt: str) -> tuple[list[tuple[str, int]], list[str]]:
-    """([(letter, value)], [op per step after the first]) of ``ask a=7 b=3 do a*b``."""
+def pick_op(rng: random.Random, r: int, v: int) -> str:
+    """A uniformly drawn op whose result ``r op v`` stays >= 0."""
+    return rng.choice([op for op in OPS if apply(op, r, v) >= 0])
+
+
+def parse_prompt(prompt: str) -> tuple[list[tuple[str, int]], list[str], list[str]]:
+    """([(letter, value)] in prompt order, [letter per step], [op per step after the first]) of
+    ``ask a=7 b=3 c=4 do b-a+c``."""
     words = prompt.split()
     if len(words) < 4 or words[0] != "ask" or words[-2] != "do":
         raise ValueError(f"not a reasoning prompt: {prompt!r}")
     facts = [(w[0], int(w[2:])) for w in words[1:-2]]
     expr = words[-1]
-    return facts, list(expr[1::2])
+    return facts, list(expr[0::2]), list(expr[1::2])
 
 
 class ReasoningTask(SyntheticTask):
-    """A chain of mod-10 operations over a few facts, worked with restatements and filler."""
+    """A chain of + and - over a few facts, worked with restatements and filler."""
 
     name = "reasoning"
 
@@ -105,46 +115,48 @@ class ReasoningTask(SyntheticTask):
     # -- problems -----------------------------------------------------------------------------
     def _make_prompt(self, rng: random.Random) -> str:
         values = [rng.randint(1, 9) for _ in range(self.facts)]
-        ops = [rng.choice(OPS) for _ in range(self.facts - 1)]
+        order = rng.sample(range(self.facts), self.facts)   # the expression's letters, in turn
+        ops, r = [], values[order[0]]
+        for i in order[1:]:
+            ops.append(pick_op(rng, r, values[i]))
+            r = apply(ops[-1], r, values[i])
         facts = " ".join(f"{LETTERS[i]}={v}" for i, v in enumerate(values))
-        return f"ask {facts} do {self._expr(ops)}\n"
-
-    @staticmethod
-    def _expr(ops: list[str]) -> str:
-        return "a" + "".join(op + LETTERS[i + 1] for i, op in enumerate(ops))
+        expr = LETTERS[order[0]] + "".join(op + LETTERS[i] for op, i in zip(ops, order[1:]))
+        return f"ask {facts} do {expr}\n"
 
     def solution(self, prompt: str) -> str:
         return self.render(prompt, self.notes)
 
     def render(self, prompt: str, notes: int) -> str:
         """The worked response with ``notes`` notes per gap (no EOS)."""
-        facts, ops = parse_prompt(prompt)
+        facts, order, ops = parse_prompt(prompt)
         if len(facts) != self.facts:
             raise ValueError(f"prompt has {len(facts)} facts, the task {self.facts}: {prompt!r}")
         rng = random.Random(zlib.crc32(prompt.encode()))
-        expr = self._expr(ops)
+        value = dict(facts)
+        expr = order[0] + "".join(op + k for op, k in zip(ops, order[1:]))
         # The far facts (operands of the last far_facts steps) appear in the prompt only.
-        near = [f"{k}={v}" for k, v in facts[: len(facts) - self.far_facts]]
-        recall = " ".join(near)
-        lines = [f"we have {recall}; do {expr} mod 10."]
-        r = facts[0][1]
-        last = f"r=a={r}"
+        far = set(order[len(order) - self.far_facts:])
+        recall = " ".join(f"{k}={v}" for k, v in facts if k not in far)
+        lines = [f"we have {recall}; do {expr}."]
+        r = value[order[0]]
+        last = f"r={order[0]}={r}"
         for step in range(1, len(facts) + 1):
             if step > 1:
-                (k, v), op = facts[step - 1], ops[step - 2]
-                nr = apply(op, r, v)
-                last = f"r{op}{k}={r}{op}{v}={nr}"
+                k, op = order[step - 1], ops[step - 2]
+                nr = apply(op, r, value[k])
+                last = f"r{op}{k}={r}{op}{value[k]}={nr}"
                 r = nr
             lines.append(f"step {step}: {last}.")
             for n in range(1, notes + 1):
                 kind = NOTE_CYCLE[(notes - n) % len(NOTE_CYCLE)]
                 if kind == "recap":
-                    nxt = f"next {ops[step - 1]}{facts[step][0]}" if step < len(facts) else "done"
+                    nxt = f"next {ops[step - 1]}{order[step]}" if step < len(facts) else "done"
                     body = f"so far r={r} at step {step}; {nxt}."
                 elif kind == "facts":
                     body = f"recall {recall}."
                 elif kind == "goal":
-                    body = f"we do {expr} mod 10."
+                    body = f"we do {expr}."
                 elif kind == "redo":
                     body = f"redo step {step}: {last}."
                 else:
@@ -152,6 +164,19 @@ class ReasoningTask(SyntheticTask):
                 lines.append(f"({n}) {body}")
         lines.append(f"answer={r}")
         return "\n".join(lines)
+
+    def drill(self, rng: random.Random, lines: int = 48) -> list[tuple[str, str]]:
+        """Arithmetic drill for building a base model (not a problem of the task): ``lines``
+        pairs (``"17+5="``, ``"22"``) of the task's operations in the form its steps compute
+        in (left operand 0..9 x (facts - 1), right 1..9, results >= 0). A worked response holds
+        only ``facts - 1`` results among hundreds of tokens: too few for a tiny model to learn
+        its sums in minutes."""
+        out = []
+        for _ in range(lines):
+            x, y = rng.randint(0, 9 * (self.facts - 1)), rng.randint(1, 9)
+            op = pick_op(rng, x, y)
+            out.append((f"{x}{op}{y}=", str(apply(op, x, y))))
+        return out
 
     # -- the length knob ----------------------------------------------------------------------
     def _calibration_prompts(self) -> list[str]:

@@ -37,33 +37,37 @@ def test_gold_responses_earn_reward_1_and_answers_are_the_computation():
         for p in t.problems("train") + t.problems("heldout"):
             sol = t.solution(p.prompt)
             assert t.reward(sol, p.answer) == 1.0
-            values, ops = parse_prompt(p.prompt)
-            r = values[0][1]
-            for (_, v), op in zip(values[1:], ops):
-                r = apply(op, r, v)
+            facts_, order, ops = parse_prompt(p.prompt)
+            value = dict(facts_)
+            assert sorted(order) == sorted(value) and len(ops) == facts - 1
+            r = value[order[0]]
+            for k, op in zip(order[1:], ops):
+                r = apply(op, r, value[k])
+                assert r >= 0
             assert p.answer == str(r) and sol.endswith(f"answer={r}")
-            assert t.reward(sol[:-1] + str((r + 1) % 10), p.answer) == 0.0
+            assert t.reward(sol + "0", p.answer) == 0.0
 
 
 def test_worked_example():
     t = ReasoningTask(n_train=1, n_heldout=1, facts=3, far_facts=1, response_tokens=320)
-    sol = t.render("ask a=7 b=5 c=4 do a-b*c\n", notes=3)
+    sol = t.render("ask a=7 b=5 c=4 do c+a-b\n", notes=3)
     lines = sol.split("\n")
-    assert lines[0] == "we have a=7 b=5; do a-b*c mod 10."       # the far fact c is not restated
-    assert lines[1] == "step 1: r=a=7." and lines[5] == "step 2: r-b=7-5=2."
-    assert lines[9] == "step 3: r*c=2*4=8." and lines[-1] == "answer=8"
-    assert lines[2].startswith("(1) ") and lines[3] == "(2) recall a=7 b=5."
-    assert lines[4] == "(3) so far r=7 at step 1; next -b."
-    assert lines[-2] == "(3) so far r=8 at step 3; done."
-    assert " c=4" not in sol                                       # only in the prompt
+    assert lines[0] == "we have a=7 c=4; do c+a-b."          # the far fact b is not restated
+    assert lines[1] == "step 1: r=c=4." and lines[5] == "step 2: r+a=4+7=11."
+    assert lines[9] == "step 3: r-b=11-5=6." and lines[-1] == "answer=6"
+    assert lines[2].startswith("(1) ") and lines[3] == "(2) recall a=7 c=4."
+    assert lines[4] == "(3) so far r=4 at step 1; next +a."
+    assert lines[-2] == "(3) so far r=6 at step 3; done."
+    assert " b=5" not in sol                    # the far fact (the last operand): prompt only
 
 
 def test_far_facts_knob_controls_which_values_are_restated():
-    prompt = "ask a=1 b=2 c=3 d=4 do a+b+c+d\n"
+    prompt = "ask a=1 b=2 c=3 d=4 do d+b+a+c\n"
     for far in range(4):
         sol = ReasoningTask(n_train=1, n_heldout=1, facts=4, far_facts=far).solution(prompt)
         restated = [k for k, v in (("a", 1), ("b", 2), ("c", 3), ("d", 4)) if f" {k}={v}" in sol]
-        assert restated == ["a", "b", "c", "d"][: 4 - far]
+        # the operands of the last `far` steps (c, then a, then b) are never restated
+        assert restated == sorted(set("abcd") - set("cab"[:far]))
 
 
 def test_length_knob():
@@ -161,3 +165,22 @@ def test_attention_concentration_of_a_uniform_head():
     one_hot = torch.zeros(1, t, t)
     one_hot[0, :, 0] = 1.0                                               # all mass on the sink
     assert torch.allclose(concentration([one_hot], 3, 0.25, 2, 2)[0], torch.ones(1, 1, t - 3))
+
+
+def test_drill_is_the_tasks_arithmetic_with_loss_on_results_only():
+    import random
+
+    from launch.make_base_model import encode_drill
+    from tasks.tokenizer import build_char_tokenizer
+
+    t = ReasoningTask(n_train=1, n_heldout=1, facts=4)
+    pairs = t.drill(random.Random(0), lines=200)
+    for question, answer in pairs:
+        x, op, y = int(question[:-3]), question[-3], int(question[-2])
+        assert question[-1] == "=" and 0 <= x <= 27 and 1 <= y <= 9
+        assert int(answer) == apply(op, x, y) >= 0
+    assert {q[-3] for q, _ in pairs} == {"+", "-"}
+    tok = build_char_tokenizer()
+    ids, labels = encode_drill(tok, pairs[:2])
+    assert tok.decode(ids) == "".join(f"{q}{a}.\n" for q, a in pairs[:2])
+    assert tok.decode([i for i in labels if i != -100]) == pairs[0][1] + pairs[1][1]
