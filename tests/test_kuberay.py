@@ -15,11 +15,12 @@ from cluster.kuberay import render, validate
 from cluster.kuberay.options import DeployConfig, load_deploy
 from common.errors import ConfigError
 from launch.config import load_config
+from launch.kuberay import main
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "cluster" / "kuberay" / "deploy.yaml"
 DOCS = REPO / "docs" / "DEPLOY.md"
-CHECK = "python -m cluster.kuberay.render --check"  # the command docs/DEPLOY.md gives
+CHECK = "python -m launch.kuberay --check"  # the command docs/DEPLOY.md gives
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +39,13 @@ def _kind(files, kind):
 
 
 def test_committed_manifests_are_rendered_and_valid(capsys):
-    assert render.main(shlex.split(CHECK)[3:]) == 0, capsys.readouterr().out
+    assert main(shlex.split(CHECK)[3:]) == 0, capsys.readouterr().out
     assert "valid" in capsys.readouterr().out
 
 
 def test_deploy_doc_gives_the_commands_the_tests_run():
     text = DOCS.read_text()
-    assert CHECK in text and "python -m cluster.kuberay.render\n" in text
+    assert CHECK in text and "python -m launch.kuberay\n" in text
     assert f"--version {validate.KUBERAY_VERSION}" in text  # the operator the schema comes from
     for name in render.FILES:
         assert f"kubectl apply -f cluster/kuberay/{name}" in text
@@ -95,7 +96,7 @@ def test_job_runs_the_preset_on_the_volume_and_resumes(dc, files):
     assert argv[:2] == ["python", "/workspace/launch/train.py"] and "resume=latest" in argv
     assert job["spec"]["shutdownAfterJobFinishes"] is True and job["spec"]["backoffLimit"] >= 1
     assert "runtimeEnvYAML" not in job["spec"]  # ray.init's runtime env sets RAY_AUTH_MODE
-    cfg = render.deployed_config(dc, argv[2:], overlay["data"][render.CONFIG_KEY])
+    cfg = render.deployed_config(dc, argv[2:], overlay["data"][render.CONFIG_KEY], load_config)
     preset = load_config(["--config", str(REPO / dc.preset)])
     assert cfg.rollout.model_path == "/mnt/sparse-rl/models/Qwen2.5-1.5B"
     assert cfg.run.out_dir == "/mnt/sparse-rl/runs" and cfg.cluster.address == "auto"
@@ -115,7 +116,7 @@ def test_pools_fit_the_groups_as_planned(dc, files):
     (overlay,) = _kind(files, "ConfigMap")
     (job,) = _kind(files, "RayJob")
     cfg = render.deployed_config(dc, shlex.split(job["spec"]["entrypoint"])[2:],
-                                 overlay["data"][render.CONFIG_KEY])
+                                 overlay["data"][render.CONFIG_KEY], load_config)
     pools = plan(cfg)
     assert pools["learner"] == (2, {"CPU": 2.0, "GPU": 1.0, "learner_pool": 1.0})
     assert pools["scorer"] == (2, {"CPU": 2.0, "GPU": 1.0, "learner_pool": 1.0})
@@ -158,11 +159,11 @@ BREAKS = {
 
 @pytest.mark.parametrize("what", list(BREAKS))
 def test_validation_names_what_breaks_a_deployment(dc, files, what):
-    assert validate.problems(files, dc) == []
+    assert validate.problems(files, dc, load_config) == []
     broken = copy.deepcopy(files)
     change, message = BREAKS[what]
     change(broken)
-    assert any(message in p for p in validate.problems(broken, dc)), validate.problems(broken, dc)
+    assert any(message in p for p in validate.problems(broken, dc, load_config)), validate.problems(broken, dc, load_config)
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -178,9 +179,9 @@ def test_validation_names_what_breaks_a_deployment(dc, files, what):
 ])
 def test_bad_deployment_names_its_key(overrides, key, capsys):
     with pytest.raises(ConfigError) as err:
-        render.manifests(load_deploy(DEPLOY, overrides))
+        render.manifests(load_deploy(DEPLOY, overrides), load_config)
     assert f"'{key}'" in str(err.value)
-    assert render.main(overrides + ["--check"]) == 2
+    assert main(overrides + ["--check"]) == 2
     assert key in capsys.readouterr().err
 
 
@@ -191,5 +192,5 @@ def test_bad_deployment_names_its_key(overrides, key, capsys):
 ])
 def test_every_gpu_preset_renders_valid_manifests(preset, sizes):
     dc = load_deploy(DEPLOY, [f"preset=launch/configs/{preset}", *sizes])
-    docs = {n: list(yaml.safe_load_all(t)) for n, t in render.render(dc).items()}
-    assert validate.problems(docs, dc) == []
+    docs = {n: list(yaml.safe_load_all(t)) for n, t in render.render(dc, load_config).items()}
+    assert validate.problems(docs, dc, load_config) == []

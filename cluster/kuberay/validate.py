@@ -15,7 +15,7 @@ from pathlib import PurePosixPath
 import yaml
 
 from cluster.kuberay.options import REPO, DeployConfig, Group, pool_group
-from cluster.kuberay.training import CONFIG_KEY, CONFIG_MOUNT, deployed_config
+from cluster.kuberay.training import CONFIG_KEY, CONFIG_MOUNT, LoadConfig, deployed_config
 
 KUBERAY_VERSION = "1.7.0"
 CRD_DIR = REPO / "tests" / "data" / f"kuberay-{KUBERAY_VERSION}"
@@ -112,13 +112,11 @@ def cluster_totals(spec: dict, at: str = "replicas") -> dict[str, float]:
     return total
 
 
-def plan_problems(spec: dict, job: dict, dc: DeployConfig, layer: str) -> list[str]:
-    """The job's pools (cluster/resources.py plan) fit the cluster at its replicas, and each pool's
-    custom resource is offered by its own group only."""
+def plan_problems(spec: dict, dc: DeployConfig, cfg) -> list[str]:
+    """The pools of the job's config ``cfg`` (cluster/resources.py plan) fit the cluster ``spec``
+    at its replicas, and each pool's custom resource is offered by its own group only."""
     from cluster.resources import plan, shortfalls
 
-    argv = shlex.split(job["entrypoint"])
-    cfg = deployed_config(dc, argv[2:], layer)
     out = [f"pools need {res} {need:g} ({parts}), the pods offer {have:g} (key {key})"
            for key, res, need, have, parts in shortfalls(cfg, cluster_totals(spec))]
     offered = {"head": set(spec["headGroupSpec"].get("resources", {}))}
@@ -135,7 +133,8 @@ def plan_problems(spec: dict, job: dict, dc: DeployConfig, layer: str) -> list[s
     return out
 
 
-def job_problems(job: dict, dc: DeployConfig, layer: str) -> list[str]:
+def job_problems(job: dict, dc: DeployConfig, cfg) -> list[str]:
+    """The RayJob ``job`` resumes, cleans up, and runs ``cfg`` (its config) on the volume."""
     from cluster.ray_setup import worker_env
 
     out = []
@@ -145,7 +144,6 @@ def job_problems(job: dict, dc: DeployConfig, layer: str) -> list[str]:
     argv = shlex.split(spec["entrypoint"])
     if not argv[1].startswith("/") or "resume=latest" not in argv:
         out.append("RayJob: the entrypoint must run an absolute launch/train.py with resume=latest")
-    cfg = deployed_config(dc, argv[2:], layer)
     for key, value in (("rollout.model_path", cfg.rollout.model_path), ("run.out_dir", cfg.run.out_dir)):
         if not PurePosixPath(value).is_relative_to(dc.mount):
             out.append(f"RayJob: {key}={value} is not on the volume ({dc.mount})")
@@ -158,8 +156,10 @@ def job_problems(job: dict, dc: DeployConfig, layer: str) -> list[str]:
     return out
 
 
-def problems(files: dict[str, list[dict]], dc: DeployConfig) -> list[str]:
-    """Everything wrong with rendered manifests ({file name: documents}); empty when they deploy."""
+def problems(files: dict[str, list[dict]], dc: DeployConfig, load: LoadConfig) -> list[str]:
+    """Everything wrong with rendered manifests ({file name: documents}); empty when they deploy.
+    ``load`` reads the job's training config (launch.config.load_config, see
+    cluster/kuberay/training.py)."""
     docs = [d for ds in files.values() for d in ds]
     by_kind: dict[str, list[dict]] = {}
     for d in docs:
@@ -184,4 +184,6 @@ def problems(files: dict[str, list[dict]], dc: DeployConfig) -> list[str]:
         out.append("RayCluster: worker groups must be rollout and learner")
     for spec in (cluster["spec"], job["spec"]["rayClusterSpec"]):
         out += pod_problems(spec, dc)
-    return out + plan_problems(cluster["spec"], job["spec"], dc, layer) + job_problems(job, dc, layer)
+    # the config the RayJob's entrypoint runs, loaded once for both checks below
+    cfg = deployed_config(dc, shlex.split(job["spec"]["entrypoint"])[2:], layer, load)
+    return out + plan_problems(cluster["spec"], dc, cfg) + job_problems(job, dc, cfg)
