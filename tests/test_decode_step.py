@@ -154,3 +154,18 @@ def test_compiled_step_pads_with_free_rows_one_graph_per_bucket(model):
     for w, g in zip(want, got):
         assert g.shape == w.shape
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+
+
+def test_decode_cuda_bench_runs_on_the_cpu(tmp_path):
+    """bench/decode_cuda.py's smoke mode: every (policy, mode) row with its timings and ops."""
+    import json
+
+    from bench import decode_cuda
+
+    out = tmp_path / "dc.json"
+    assert decode_cuda.main(["--device", "cpu", "--batch", "2", "--prompt-len", "4",
+                             "--gen-len", "12", "--trace-len", "4", "--budget", "8", "--every",
+                             "4", "--modes", "eager", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["policy"], r["mode"]) for r in rows] == [("dense", "eager"), ("rkv", "eager")]
+    assert all(r["ms_per_step"] > 0 and r["top_host_ops"] for r in rows)
