@@ -11,7 +11,10 @@ that predicts a response token (every layer and head), measures:
   (positions 0..q; a uniform head would give 0.25);
 * ``top_budget``: the share on its top ``--budget`` keys (default: ``--share`` of the mean
   sequence length, i.e. the KV budget that share of the sequence would give);
-* ``far_mass``: the mass on keys more than ``--far`` positions back (default: the budget).
+* ``far_mass``: the mass on keys more than ``--far`` positions back (default: the budget);
+* ``sink_mass``, ``prompt_mass``: the mass on the first ``--sinks`` (4) keys and on the prompt's
+  keys (the sinks included): how much of the far mass a policy that keeps the sinks or the
+  prompt (``rollout.kv.protect_prompt``) would keep.
 
 Figures are means over heads, layers and sequences, per bin of ``--bin`` query positions (absolute:
 prompt included), plus the same per layer over all positions. The task is the one the model was
@@ -48,9 +51,16 @@ def task_of(model_dir: Path, name: str | None):
     return make_task(TaskConfig(**keep, reasoning=reasoning))
 
 
-def concentration(attn, first_query: int, share: float, budget: int, far: int):
-    """Per query position q >= first_query of one sequence: (top_share, top_budget, far_mass),
-    each a [layers, heads, queries] tensor, from ``attn`` = per layer [heads, T, T] weights."""
+METRICS = ("top_share", "top_budget", "far_mass", "sink_mass", "prompt_mass")
+
+
+def concentration(attn, first_query: int, share: float, budget: int, far: int,
+                  prompt_len: int = 0, sinks: int = 4) -> dict:
+    """Per query position q >= first_query of one sequence, each a [layers, heads, queries]
+    tensor, from ``attn`` = per layer [heads, T, T] weights: ``top_share`` (mass on the top
+    ``share`` of the keys 0..q), ``top_budget`` (on the top ``budget`` keys), ``far_mass`` (on
+    keys more than ``far`` back), ``sink_mass`` (on the first ``sinks`` keys), ``prompt_mass`` (on
+    the first ``prompt_len`` keys, the sinks included)."""
     import torch
 
     a = torch.stack([x.float() for x in attn])                 # [L, H, T, T]
@@ -62,17 +72,18 @@ def concentration(attn, first_query: int, share: float, budget: int, far: int):
     k_share = torch.clamp(torch.ceil(share * seen).long(), min=1) - 1
     k_budget = torch.clamp(torch.minimum(torch.full_like(seen, budget), seen), min=1) - 1
     idx = lambda k: k.view(1, 1, -1, 1).expand(a.shape[0], a.shape[1], -1, 1)  # noqa: E731
-    top_share = ranked.gather(-1, idx(k_share)).squeeze(-1)
-    top_budget = ranked.gather(-1, idx(k_budget)).squeeze(-1)
     keys = torch.arange(t)
     far_mask = (q.view(-1, 1) - keys.view(1, -1)) > far         # [Q, T]
-    far_mass = (rows * far_mask).sum(-1)
-    return top_share, top_budget, far_mass
+    return {"top_share": ranked.gather(-1, idx(k_share)).squeeze(-1),
+            "top_budget": ranked.gather(-1, idx(k_budget)).squeeze(-1),
+            "far_mass": (rows * far_mask).sum(-1),
+            "sink_mass": rows[..., :sinks].sum(-1),
+            "prompt_mass": rows[..., :prompt_len].sum(-1)}
 
 
 def measure(model_dir: Path, task_name: str | None = None, n: int = 64, share: float = 0.25,
             budget: int | None = None, far: int | None = None, bin_tokens: int = 64,
-            log=print) -> dict:
+            sinks: int = 4, log=print) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -96,61 +107,53 @@ def measure(model_dir: Path, task_name: str | None = None, n: int = 64, share: f
     far = budget if far is None else far
     log(f"[attention] {model_dir}: {task.name}, {len(problems)} held-out prompts decoded dense "
         f"(greedy acc {acc:.3f}), mean sequence {mean_len:.1f} tokens; top {share:.0%} of keys, "
-        f"top {budget} keys, mass beyond {far} back")
-    bins: dict[int, list] = {}
-    layers = None
+        f"top {budget} keys, mass beyond {far} back, on the first {sinks} keys, on the prompt")
+    bins: dict[int, dict] = {}
+    layers: list[dict] = []
     with torch.no_grad():
         for prompt_ids, ids in seqs:
             out = model(input_ids=torch.tensor([ids]), output_attentions=True)
-            attn = [x[0] for x in out.attentions]
-            # query q predicts token q + 1: the response's tokens from len(prompt) - 1 on
-            ts, tb, fm = concentration(attn, len(prompt_ids) - 1, share, budget, far)
-            # the last query would predict past the sequence
-            ts, tb, fm = ts[..., :-1], tb[..., :-1], fm[..., :-1]
-            if layers is None:
-                layers = [[0.0, 0.0, 0.0, 0] for _ in range(ts.shape[0])]
-            for li in range(ts.shape[0]):
-                acc_l = layers[li]
-                acc_l[0] += ts[li].sum().item()
-                acc_l[1] += tb[li].sum().item()
-                acc_l[2] += fm[li].sum().item()
-                acc_l[3] += ts[li].numel()
-            qpos = torch.arange(len(prompt_ids) - 1, len(prompt_ids) - 1 + ts.shape[-1])
-            for b in sorted(set((qpos // bin_tokens).tolist())):
-                sel = (qpos // bin_tokens) == b
-                row = bins.setdefault(b, [0.0, 0.0, 0.0, 0, 0])
-                row[0] += ts[..., sel].sum().item()
-                row[1] += tb[..., sel].sum().item()
-                row[2] += fm[..., sel].sum().item()
-                row[3] += ts[..., sel].numel()
-                row[4] += int(sel.sum())
-    per_bin = [{"bin": f"{b * bin_tokens}-{(b + 1) * bin_tokens - 1}", "queries": r[4],
-                "top_share": r[0] / r[3], "top_budget": r[1] / r[3], "far_mass": r[2] / r[3]}
-               for b, r in sorted(bins.items())]
-    per_layer = [{"layer": i, "top_share": r[0] / r[3], "top_budget": r[1] / r[3],
-                  "far_mass": r[2] / r[3]} for i, r in enumerate(layers)]
-    tot = [sum(r[i] for r in layers) for i in range(4)]
+            # query q predicts token q + 1: the response's tokens from len(prompt) - 1 on; the
+            # last query would predict past the sequence
+            m = concentration([x[0] for x in out.attentions], len(prompt_ids) - 1, share, budget,
+                              far, len(prompt_ids), sinks)
+            m = {k: v[..., :-1] for k, v in m.items()}
+            nq = m["top_share"].shape[-1]
+            while len(layers) < m["top_share"].shape[0]:
+                layers.append({k: 0.0 for k in (*METRICS, "count")})
+            for li, acc_l in enumerate(layers):
+                for k in METRICS:
+                    acc_l[k] += m[k][li].sum().item()
+                acc_l["count"] += m["top_share"][li].numel()
+            qbin = torch.arange(len(prompt_ids) - 1, len(prompt_ids) - 1 + nq) // bin_tokens
+            for b in sorted(set(qbin.tolist())):
+                sel = qbin == b
+                row = bins.setdefault(b, {k: 0.0 for k in (*METRICS, "count", "queries")})
+                for k in METRICS:
+                    row[k] += m[k][..., sel].sum().item()
+                row["count"] += m["top_share"][..., sel].numel()
+                row["queries"] += int(sel.sum())
+    mean = lambda r: {k: r[k] / r["count"] for k in METRICS}  # noqa: E731
+    per_bin = [{"bin": f"{b * bin_tokens}-{(b + 1) * bin_tokens - 1}",
+                "queries": int(r["queries"]), **mean(r)} for b, r in sorted(bins.items())]
+    per_layer = [{"layer": i, **mean(r)} for i, r in enumerate(layers)]
+    total = {k: sum(r[k] for r in layers) for k in (*METRICS, "count")}
     return {"model": str(model_dir), "task": task.name, "n": len(problems), "acc_dense": acc,
             "mean_seq_tokens": mean_len, "share": share, "budget": budget, "far": far,
-            "bin_tokens": bin_tokens, "all": {"top_share": tot[0] / tot[3],
-                                              "top_budget": tot[1] / tot[3],
-                                              "far_mass": tot[2] / tot[3]},
-            "per_bin": per_bin, "per_layer": per_layer}
+            "sinks": sinks, "bin_tokens": bin_tokens, "all": mean(total), "per_bin": per_bin,
+            "per_layer": per_layer}
 
 
 def table(res: dict) -> str:
-    s, b = f"top {res['share']:.0%} keys", f"top {res['budget']} keys"
-    f = f"mass >{res['far']} back"
-    lines = [f"| query positions | queries | {s} | {b} | {f} |", "|---|---|---|---|---|"]
-    for r in res["per_bin"]:
-        lines.append(f"| {r['bin']} | {r['queries']} | {r['top_share']:.3f} | "
-                     f"{r['top_budget']:.3f} | {r['far_mass']:.3f} |")
-    a = res["all"]
-    lines.append(f"| all | | {a['top_share']:.3f} | {a['top_budget']:.3f} | {a['far_mass']:.3f} |")
-    lines += ["", f"| layer | {s} | {b} | {f} |", "|---|---|---|---|"]
-    for r in res["per_layer"]:
-        lines.append(f"| {r['layer']} | {r['top_share']:.3f} | {r['top_budget']:.3f} | "
-                     f"{r['far_mass']:.3f} |")
+    heads = [f"top {res['share']:.0%} keys", f"top {res['budget']} keys",
+             f"mass >{res['far']} back", f"mass on first {res['sinks']}", "mass on prompt"]
+    cells = lambda r: " | ".join(f"{r[k]:.3f}" for k in METRICS)  # noqa: E731
+    lines = ["| query positions | queries | " + " | ".join(heads) + " |",
+             "|---|---|" + "---|" * len(heads)]
+    lines += [f"| {r['bin']} | {r['queries']} | {cells(r)} |" for r in res["per_bin"]]
+    lines.append(f"| all | | {cells(res['all'])} |")
+    lines += ["", "| layer | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    lines += [f"| {r['layer']} | {cells(r)} |" for r in res["per_layer"]]
     return "\n".join(lines)
 
 
@@ -164,6 +167,7 @@ def main(argv: list[str]) -> int:
                     help="top-k keys (default: --share of the mean sequence length)")
     ap.add_argument("--far", type=int, default=None, help="far_mass distance (default: budget)")
     ap.add_argument("--bin", type=int, default=64, help="query positions per bin")
+    ap.add_argument("--sinks", type=int, default=4, help="first keys counted as sinks")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", metavar="PATH", help="write the figures as one JSON object")
     args = ap.parse_args(argv)
@@ -172,7 +176,8 @@ def main(argv: list[str]) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    res = measure(args.model, args.task, args.n, args.share, args.budget, args.far, args.bin)
+    res = measure(args.model, args.task, args.n, args.share, args.budget, args.far, args.bin,
+                  args.sinks)
     print(table(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))

@@ -18,7 +18,7 @@ class TaskName(str, enum.Enum):
 
     running_sum = "running_sum"   # write every partial sum of a labelled digit list, then the total
     reverse = "reverse"           # write a digit string backwards
-    # a few mod-10 steps over the prompt's facts, worked in a long, redundant response
+    # a few + and - steps over the prompt's facts, worked in a long, redundant response
     # (task.reasoning.*)
     reasoning = "reasoning"
     dataset = "dataset"           # prompt/answer rows from ``path`` with a math verifier

@@ -2,45 +2,43 @@
 
 The regime of real chains of thought at CPU scale: the answer depends on a few facts of the prompt
 and a few intermediate results, but the response is long and mostly redundant (restatements of the
-problem, recaps of partial results, re-derivations, filler), so most of its tokens can be dropped
+problem and of the partial result, re-derivations, filler), so most of its tokens can be dropped
 from the KV cache without changing the next token; only a tail of tokens (the facts that are stated
 once, far back) must survive. ``running_sum`` is the adversarial opposite and stays the stress test.
 
 Prompt (``facts`` = 3)::
 
-    ask a=7 b=5 c=4 do a-b+c
+    ask a=7 b=5 c=4 do c+a-b
 
-Response (``far_facts`` = 1, 3 notes per gap, the default; the answer is the text after the
+Response (``far_facts`` = 1, 2 notes per gap, the default; the answer is the text after the
 last '=')::
 
-    we have a=7 b=5; do a-b+c.
-    step 1: r=a=7.
-    (1) hmm.
-    (2) recall a=7 b=5.
-    (3) so far r=7 at step 1; next -b.
-    step 2: r-b=7-5=2.
-    (1) wait, let me think.
-    (2) recall a=7 b=5.
-    (3) so far r=2 at step 2; next +c.
-    step 3: r+c=2+4=6.
-    (1) ok so far.
-    (2) recall a=7 b=5.
-    (3) so far r=6 at step 3; done.
+    we have a=7 c=4; do c+a-b.
+    start r=c=4.
+    (1) r=4, left +a-b, a=7 c=4. check c=4.
+    (2) r=4, left +a-b, a=7 c=4. let me check again.
+    then r+a=4+7=11.
+    (1) r=11, left -b, a=7 c=4. check 4+7=11.
+    (2) r=11, left -b, a=7 c=4. ok so far.
+    then r-b=11-5=6.
+    (1) r=6, left none, a=7 c=4. check 11-5=6.
+    (2) r=6, left none, a=7 c=4. let me check again.
     answer=6
 
-* The computation: the expression names every fact once, in a random order (``do b-a+c``):
+* The computation: the expression names every fact once, in a random order (``do c+a-b``):
   ``r`` = its first fact, then ``r = r op x`` for each next fact ``x``, left to right. Facts are
   digits 1..9, ops ``+`` and ``-`` (``-`` only where the result stays >= 0, so every
   intermediate result is a whole number 0..9 x facts). Each step needs the previous ``r`` and
   one fact, looked up by its letter. (Plain rather than modular arithmetic, and no ``*``: the
   tiny base model learns sums far faster than a mod-10 table.)
 * After every step comes a gap of ``N`` numbered notes, the same ``N`` for every gap and problem.
-  Counting from the end of the gap, the note types cycle ``recap`` (``so far r=R at step S``),
-  ``facts`` (the facts restated), ``goal`` (the expression restated), ``hesitate`` (one of four
-  phrases, drawn at random per note: the only text that is not a function of the prompt),
-  ``redo`` (the last step re-derived), ``hesitate``. So whatever the next step needs (previous
-  result, step number, next operator and letter, the operand's value) sits in the last few notes
-  before it, and every earlier copy is redundant.
+  Every note restates the state: the partial result, the operations left and the facts (all but
+  the far ones), then adds a body; counting from the end of the gap the bodies cycle
+  ``hesitate`` (one of four phrases, drawn at random per note: the only text that is not a
+  function of the prompt), ``check`` (the last step re-derived), ``goal`` (the expression
+  restated). So each line can be written from the line before it, the next step reads its
+  result, operation and (near) operand from the last note, the answer from the last note, and
+  every earlier copy is redundant: a step needs the last ~40 tokens and its far fact.
 * ``far_facts`` (knob: how many tokens later steps need from far back): the operands of the last
   ``far_facts`` steps are never restated in the response (not in the header nor in the ``facts``
   notes), so those steps must read their value from the prompt, ~4 tokens each, hundreds of tokens
@@ -64,7 +62,7 @@ from tasks.synthetic import LETTERS, SyntheticTask
 OPS = "+-"
 HESITATIONS = ("hmm.", "wait, let me think.", "ok so far.", "let me check again.")
 # Note types of a gap, counted backwards from its last note (the one right before the next step).
-NOTE_CYCLE = ("recap", "facts", "hesitate", "redo", "goal", "hesitate")
+NOTE_CYCLE = ("hesitate", "check", "goal")
 MAX_FACTS = 8
 MAX_NOTES = 400
 MAX_RESPONSE_TOKENS = 4096
@@ -140,28 +138,26 @@ class ReasoningTask(SyntheticTask):
         recall = " ".join(f"{k}={v}" for k, v in facts if k not in far)
         lines = [f"we have {recall}; do {expr}."]
         r = value[order[0]]
-        last = f"r={order[0]}={r}"
+        check = f"{order[0]}={r}"
         for step in range(1, len(facts) + 1):
-            if step > 1:
+            if step == 1:
+                lines.append(f"start r={order[0]}={r}.")
+            else:
                 k, op = order[step - 1], ops[step - 2]
                 nr = apply(op, r, value[k])
-                last = f"r{op}{k}={r}{op}{value[k]}={nr}"
+                check = f"{r}{op}{value[k]}={nr}"
+                lines.append(f"then r{op}{k}={check}.")
                 r = nr
-            lines.append(f"step {step}: {last}.")
+            left = "".join(op + k for op, k in zip(ops[step - 1:], order[step:])) or "none"
             for n in range(1, notes + 1):
                 kind = NOTE_CYCLE[(notes - n) % len(NOTE_CYCLE)]
-                if kind == "recap":
-                    nxt = f"next {ops[step - 1]}{order[step]}" if step < len(facts) else "done"
-                    body = f"so far r={r} at step {step}; {nxt}."
-                elif kind == "facts":
-                    body = f"recall {recall}."
+                if kind == "check":
+                    body = f"check {check}."
                 elif kind == "goal":
                     body = f"we do {expr}."
-                elif kind == "redo":
-                    body = f"redo step {step}: {last}."
                 else:
                     body = rng.choice(HESITATIONS)
-                lines.append(f"({n}) {body}")
+                lines.append(f"({n}) r={r}, left {left}, {recall}. {body}")
         lines.append(f"answer={r}")
         return "\n".join(lines)
 

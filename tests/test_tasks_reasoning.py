@@ -53,11 +53,13 @@ def test_worked_example():
     sol = t.render("ask a=7 b=5 c=4 do c+a-b\n", notes=3)
     lines = sol.split("\n")
     assert lines[0] == "we have a=7 c=4; do c+a-b."          # the far fact b is not restated
-    assert lines[1] == "step 1: r=c=4." and lines[5] == "step 2: r+a=4+7=11."
-    assert lines[9] == "step 3: r-b=11-5=6." and lines[-1] == "answer=6"
-    assert lines[2].startswith("(1) ") and lines[3] == "(2) recall a=7 c=4."
-    assert lines[4] == "(3) so far r=4 at step 1; next +a."
-    assert lines[-2] == "(3) so far r=6 at step 3; done."
+    assert lines[1] == "start r=c=4." and lines[5] == "then r+a=4+7=11."
+    assert lines[9] == "then r-b=11-5=6." and lines[-1] == "answer=6"
+    assert lines[2] == "(1) r=4, left +a-b, a=7 c=4. we do c+a-b."      # bodies from the end:
+    assert lines[3] == "(2) r=4, left +a-b, a=7 c=4. check c=4."        # hesitate, check, goal
+    assert lines[4].startswith("(3) r=4, left +a-b, a=7 c=4. ")
+    assert lines[-2].startswith("(3) r=6, left none, a=7 c=4. ")
+    assert lines[7] == "(2) r=11, left -b, a=7 c=4. check 4+7=11."
     assert " b=5" not in sol                    # the far fact (the last operand): prompt only
 
 
@@ -81,9 +83,9 @@ def test_length_knob():
     assert lens[-1][1] > 1800
     # the default: a few hundred tokens, with recaps, restated facts and filler in every gap
     t = _task(n_train=20, n_heldout=5)
-    assert t.notes >= 3 and 250 < t.mean_response_len(t.notes) < 400
+    assert t.notes >= 2 and 250 < t.mean_response_len(t.notes) < 400
     sol = t.solution(t.problems("train")[0].prompt)
-    assert sol.count("recall ") == 3 and sol.count("so far r=") == 3
+    assert sol.count(", left ") == 3 * t.notes and sol.count("check ") == 3
 
 
 def test_vocabulary_is_one_token_per_character():
@@ -157,14 +159,16 @@ def test_attention_concentration_of_a_uniform_head():
     t = 8
     causal = torch.tril(torch.ones(t, t))
     attn = [(causal / causal.sum(-1, keepdim=True)).unsqueeze(0)]       # 1 layer, 1 head
-    top_share, top_budget, far = concentration(attn, 3, share=0.25, budget=2, far=2)
+    m = concentration(attn, 3, share=0.25, budget=2, far=2, prompt_len=3, sinks=1)
+    top_share, top_budget, far = m["top_share"], m["top_budget"], m["far_mass"]
     seen = torch.arange(3, t) + 1
     assert torch.allclose(top_share[0, 0], torch.ceil(0.25 * seen) / seen)
     assert torch.allclose(top_budget[0, 0], 2 / seen)
     assert torch.allclose(far[0, 0], (seen - 3).clamp(min=0) / seen)   # keys more than 2 back
     one_hot = torch.zeros(1, t, t)
     one_hot[0, :, 0] = 1.0                                               # all mass on the sink
-    assert torch.allclose(concentration([one_hot], 3, 0.25, 2, 2)[0], torch.ones(1, 1, t - 3))
+    assert torch.allclose(concentration([one_hot], 3, 0.25, 2, 2)["top_share"], torch.ones(1, 1, t - 3))
+    assert torch.allclose(m["sink_mass"][0, 0], 1 / seen) and torch.allclose(m["prompt_mass"][0, 0], 3 / seen)
 
 
 def test_drill_is_the_tasks_arithmetic_with_loss_on_results_only():
@@ -184,3 +188,29 @@ def test_drill_is_the_tasks_arithmetic_with_loss_on_results_only():
     ids, labels = encode_drill(tok, pairs[:2])
     assert tok.decode(ids) == "".join(f"{q}{a}.\n" for q, a in pairs[:2])
     assert tok.decode([i for i in labels if i != -100]) == pairs[0][1] + pairs[1][1]
+
+
+def test_eviction_mask_hides_keys_for_good_and_leaves_dense_rows_causal():
+    import torch
+
+    from launch.make_base_model import eviction_mask
+
+    am = torch.ones(3, 200, dtype=torch.long)
+    am[2, 150:] = 0                                                      # a padded row
+    evict = torch.tensor([True, False, True])
+    m = eviction_mask(am, evict, window=8, keep=0.25, gen=torch.Generator().manual_seed(0)) == 0
+    causal = torch.tril(torch.ones(200, 200, dtype=torch.bool))
+    assert m.shape == (3, 1, 200, 200)
+    assert torch.equal(m[1, 0], causal)                                  # no eviction
+    v = m[0, 0]
+    assert not (v & ~causal).any()                                       # never a future key
+    assert v[:, :4][causal[:, :4]].all()                                 # the sinks stay
+    age = torch.arange(200).view(-1, 1) - torch.arange(200).view(1, -1)
+    assert v[(age >= 0) & (age < 8)].all()                               # the window stays
+    # once evicted, a key stays evicted for every later query
+    for j in range(4, 190):
+        seen = v[j:, j].int()
+        assert (seen[1:] <= seen[:-1]).all()
+    kept_for_good = v[-1, 4:150].float().mean()
+    assert 0.1 < kept_for_good < 0.45                                    # ~keep of the old keys
+    assert not m[2, 0, 160, 150:160].any() and m[2, 0, 160, 160]         # padding hidden, self kept
