@@ -3,6 +3,13 @@
     python bench/compare.py                          # budgets 48,16; 3 seeds; default.yaml's steps
     python bench/compare.py --quick --model DIR      # CI: 1 seed, 2 steps, budget 16, 8 problems
     python bench/compare.py --budgets 48,24,16 --seeds 0,1,2 --steps 40 -- run.eval_every=10
+    python bench/compare.py --task reasoning --budgets 0.25,0.125   # budgets as shares
+
+``--task``: ``running_sum`` (the default config and ``.cache/models/tiny-base``) or ``reasoning``
+(``launch/configs/reasoning.yaml`` and ``.cache/models/reasoning-base``); the task's base model is
+built first when ``--model`` is missing (``launch/make_base_model.py --task``). ``--budgets``
+takes tokens (>= 1) or shares of the task's mean held-out sequence, prompt + gold response + EOS
+(< 1; ``budget_share`` in the rows), resolved once before any run.
 
 Arms (``ARMS``): ``dense`` (full-cache rollouts, no correction: the reference), ``naive_sparse``
 (sparse rollouts at the budget, no correction), ``sparse_rl`` (sparse + the Sparse-RL correction),
@@ -21,7 +28,10 @@ over a dense cache on those problems (the policy at the row's single budget);
 (``rollout/kv_bytes_per_seq``, the dynamic schedule's budgets) over the dense arm's;
 ``kv_budget_mean``: budget in force per response token; ``probe_p5_min_bin``: the worst position
 bin's probe agreement p5 (arms with probes); ``rollout_s_vs_dense``: engine seconds generating a
-step's rollouts (``time/rollout_gen_s``), mean over steps, over the dense arm's with the same seed.
+step's rollouts (``time/rollout_gen_s``), mean over steps, over the dense arm's with the same seed;
+``to_dense_acc_wall_s`` / ``to_dense_acc_rollout_s``: training seconds (``time/step_s``) and
+rollout seconds summed up to the first evaluation at or above the same-seed dense run's final
+``eval/accuracy`` (None: never reached).
 
 Writes ``<out>/compare-<time>/``: ``compare.json`` (rows + missing arms + command + wall time),
 ``compare.md`` (mean and spread over seeds), ``compare.png`` (accuracy curves, final accuracies)
@@ -71,6 +81,9 @@ ARMS = (
                            "correction.method=sparse_rl", "rollout.distill_sparse.enabled=true"),
         requires="rollout.distill_sparse"),
 )
+
+# --task: the preset every run starts from (None: launch/config.py's defaults)
+TASK_PRESETS = {"running_sum": None, "reasoning": "launch/configs/reasoning.yaml"}
 
 # --quick: the e2e tests' few-second job (tests/conftest.py SMALL_JOB), 2 steps
 QUICK = ("run.eval_problems=8", "run.prompts_per_step=4", "rollout.samples_per_prompt=4",
@@ -128,11 +141,14 @@ def train(job: dict, common: list[str], runs_dir: Path, log_dir: Path) -> dict:
             "run_dir": str(found[-1]) if ok else None}
 
 
-def rows_for(jobs: list[dict], budgets: list[int], model: Path, policy: str) -> list[dict]:
-    """One row per (arm, budget, seed) with the accuracies decoded dense and sparse (``policy``)."""
+def rows_for(jobs: list[dict], budgets: list[int], model: Path, policy: str,
+             shares: dict | None = None) -> list[dict]:
+    """One row per (arm, budget, seed) with the accuracies decoded dense and sparse (``policy``);
+    ``shares``: budget -> the share of the mean sequence it was given as."""
     base = {b: decode_accuracy(model, _any_run(jobs), b, policy) for b in budgets}
     dense_stats = {j["seed"]: run_stats(Path(j["run_dir"]))
                    for j in jobs if j["arm"] == "dense" and j["run_dir"]}
+    target = {seed: st["curve"][-1][1] for seed, st in dense_stats.items() if st["curve"]}
     dense_roll = {s: st["rollout_s"] for s, st in dense_stats.items()}
     rows = []
     for job in jobs:
@@ -144,16 +160,30 @@ def rows_for(jobs: list[dict], budgets: list[int], model: Path, policy: str) -> 
             acc = decode_accuracy(run / "final", run, budget, policy)
             kv = 1.0 if job["arm"] == "dense" else acc["sparse_kv_bytes"] / acc["dense_kv_bytes"]
             ref = dense_roll.get(job["seed"])
+            wall, roll = time_to(stats, target.get(job["seed"]))
             rows.append({
                 "arm": job["arm"], "budget": budget, "seed": job["seed"], "run_dir": str(run),
+                "budget_share": (shares or {}).get(budget),
+                "to_dense_acc_wall_s": wall, "to_dense_acc_rollout_s": roll,
                 "acc_dense_decode": acc["dense"], "acc_sparse_decode": acc["sparse"],
                 "acc_base": base[budget]["dense"], "acc_base_sparse": base[budget]["sparse"],
-                **{k: v for k, v in stats.items() if k != "rollout_s"},
+                **{k: v for k, v in stats.items() if k not in ("rollout_s", "seconds")},
                 "kv_bytes_vs_dense": kv,
                 "rollout_s_vs_dense": stats["rollout_s"] / ref if ref else None,
                 "rollout_kv_vs_dense": _ratio(stats, dense_stats.get(job["seed"]),
                                               "rollout_kv_bytes")})
     return rows
+
+
+def time_to(stats: dict, target: float | None) -> tuple[float | None, float | None]:
+    """(training s, rollout s) summed up to the first evaluation with accuracy >= ``target``."""
+    if target is None:
+        return None, None
+    step = next((s for s, acc in stats["curve"] if acc >= target), None)
+    if step is None:
+        return None, None
+    upto = [t for s, t in stats["seconds"] if s <= step]
+    return sum(w for w, _ in upto), sum(r for _, r in upto)
 
 
 def _ratio(stats: dict, ref: dict | None, key: str) -> float | None:
@@ -171,12 +201,17 @@ def _any_run(jobs: list[dict]) -> Path:
 def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="bench/compare.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="CI: 1 seed, 2 steps, budget 16")
-    ap.add_argument("--budgets", default=None, help="KV budgets, comma-separated (default 48,16)")
+    ap.add_argument("--task", default="running_sum", choices=sorted(TASK_PRESETS),
+                    help="the task, its preset and its base model (default running_sum)")
+    ap.add_argument("--budgets", default=None,
+                    help="KV budgets, comma-separated: tokens (>= 1) or shares of the task's mean "
+                         "sequence (< 1) (default 48,16; reasoning 0.25,0.125)")
     ap.add_argument("--seeds", default=None, help="seeds, comma-separated (default 0,1,2)")
     ap.add_argument("--steps", type=int, default=None, help="run.steps (default: the preset's)")
     ap.add_argument("--eval-every", type=int, default=None,
                     help="accuracy curve points (run.eval_every; default 5, --quick 1)")
-    ap.add_argument("--model", type=Path, default=REPO / ".cache/models/tiny-base")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="base model (default: the task's, built when missing)")
     ap.add_argument("--out", type=Path, default=REPO / "runs")
     ap.add_argument("--parallel", type=int, default=1, help="runs at once (a cluster; default 1)")
     ap.add_argument("--arms", default=None,
@@ -191,14 +226,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("overrides", nargs="*", help="key=value for every run (after --)")
     args = ap.parse_args(argv)
     quick = args.quick
-    args.budgets = [int(b) for b in (args.budgets or ("16" if quick else "48,16")).split(",")]
+    default = "16" if quick else ("0.25,0.125" if args.task == "reasoning" else "48,16")
+    try:
+        args.budgets = [float(b) if float(b) < 1 else int(b)
+                        for b in (args.budgets or default).split(",")]
+    except ValueError:
+        ap.error(f"--budgets: tokens (integers >= 1) or shares (0 < x < 1), got {args.budgets!r}")
     args.seeds = [int(s) for s in (args.seeds or ("0" if quick else "0,1,2")).split(",")]
     if args.steps is None and quick:
         args.steps = 2
     if args.eval_every is None:
         args.eval_every = 1 if quick else 5
-    if args.parallel < 1 or any(b < 1 for b in args.budgets) or not args.seeds:
-        ap.error("--parallel and --budgets must be >= 1, and --seeds non-empty")
+    if args.parallel < 1 or any(b <= 0 for b in args.budgets) or not args.seeds:
+        ap.error("--parallel must be >= 1, --budgets > 0, and --seeds non-empty")
+    if args.model is None:
+        from launch.make_base_model import TASK_DEFAULTS
+
+        args.model = REPO / TASK_DEFAULTS[args.task]["out"]
     names = [a.name for a in ARMS]
     args.arms = args.arms.split(",") if args.arms else names
     if not args.arms or set(args.arms) - set(names):
@@ -211,8 +255,12 @@ def main(argv: list[str]) -> int:
     t0 = time.time()
     out = args.out / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
     (out / "logs").mkdir(parents=True)
-    common = [f"rollout.model_path={args.model}", f"run.eval_every={args.eval_every}",
+    preset = TASK_PRESETS[args.task]
+    common = [*(["--config", str(REPO / preset)] if preset else []),
+              f"rollout.model_path={args.model}", f"run.eval_every={args.eval_every}",
               "run.checkpoint_every=0", *(QUICK if args.quick else ()), *args.overrides]
+    ensure_model(args.task, args.model)
+    args.budgets, shares = resolve_budgets(args.budgets, common)
     if args.steps is not None:
         common.append(f"run.steps={args.steps}")
     jobs, missing = plan([a for a in ARMS if a.name in args.arms], args.budgets, args.seeds,
@@ -222,13 +270,13 @@ def main(argv: list[str]) -> int:
     with ThreadPoolExecutor(args.parallel) as pool:
         jobs = list(pool.map(lambda j: train(j, common, out / "runs", out / "logs"), jobs))
     finished = any(j["run_dir"] for j in jobs)
-    rows = rows_for(jobs, args.budgets, args.model, args.policy) if finished else []
+    rows = rows_for(jobs, args.budgets, args.model, args.policy, shares) if finished else []
     failed = [{"arm": j["arm"], "budget": j["budget"], "seed": j["seed"], "log": j["log"]}
               for j in jobs if not j["run_dir"]]
     wall = round(time.time() - t0, 1)
     command = "python bench/compare.py " + " ".join(argv)
     result = {"command": command, "wall_s": wall, "budgets": args.budgets, "seeds": args.seeds,
-              "policy": args.policy,
+              "policy": args.policy, "task": args.task, "budget_shares": shares,
               "rows": rows, "summary": aggregate(rows), "missing": missing, "failed": failed}
     (out / "compare.json").write_text(json.dumps(result, indent=2))
     (out / "compare.md").write_text(markdown(result))
@@ -244,6 +292,46 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def ensure_model(task: str, model: Path) -> None:
+    """Build ``task``'s base model into ``model`` unless it is there (make_base_model's defaults
+    for the task; its own check skips a complete directory)."""
+    from launch.make_base_model import build, is_complete, parse_args
+
+    if not is_complete(model):
+        print(f"[compare] building the {task} base model into {model}", flush=True)
+        build(parse_args(["--task", task, "--out", str(model)]))
+
+
+def mean_sequence(common: list[str]) -> float:
+    """Mean tokens of a held-out prompt + its gold response + EOS, for the runs' task config."""
+    from common.modeling import load_tokenizer
+    from launch.config import load_config
+    from tasks import make_task
+
+    cfg = load_config(common)
+    task = make_task(cfg.task)
+    tok = load_tokenizer(cfg.rollout.model_path)
+    lens = [len(tok(p.prompt + task.solution(p.prompt))["input_ids"]) + 1
+            for p in task.problems("heldout")]
+    return sum(lens) / len(lens)
+
+
+def resolve_budgets(budgets: list, common: list[str]) -> tuple[list[int], dict]:
+    """Token budgets, shares (< 1) of the mean sequence rounded; {tokens: share} for the shares."""
+    if all(b >= 1 for b in budgets):
+        return [int(b) for b in budgets], {}
+    mean = mean_sequence(common)
+    out, shares = [], {}
+    for b in budgets:
+        tokens = int(b) if b >= 1 else max(1, round(b * mean))
+        if b < 1:
+            shares[tokens] = b
+            print(f"[compare] budget {b:g} of the mean {mean:.1f}-token sequence: {tokens} tokens",
+                  flush=True)
+        out.append(tokens)
+    return out, shares
 
 
 def _reports(jobs: list[dict], budgets: list[int], out: Path) -> None:

@@ -12,12 +12,13 @@ import pytest
 from conftest import train_env
 from PIL import Image
 
-from bench.compare import ARMS, has_key, parse, plan
+from bench.compare import ARMS, has_key, parse, plan, resolve_budgets, time_to
 from bench.compare_eval import aggregate, markdown
 
 REPO = Path(__file__).resolve().parent.parent
 ROW_KEYS = {"arm", "budget", "seed", "acc_dense_decode", "acc_sparse_decode", "acc_base",
-            "reward_last", "agreement_p5", "frac_vetoed", "kv_bytes_vs_dense", "rollout_s_vs_dense"}
+            "reward_last", "agreement_p5", "frac_vetoed", "kv_bytes_vs_dense", "rollout_s_vs_dense",
+            "budget_share", "to_dense_acc_wall_s", "to_dense_acc_rollout_s"}
 
 
 def test_plan_reports_arms_whose_keys_do_not_exist():
@@ -55,6 +56,40 @@ def test_aggregate_mean_and_spread():
     (e,) = aggregate(rows)
     assert e["seeds"] == 2 and e["acc_dense_decode"] == pytest.approx(0.3)
     assert e["acc_dense_decode_std"] == pytest.approx(0.1414, abs=1e-3)
+
+
+def test_budgets_take_tokens_or_shares_and_the_task_its_model():
+    args = parse(["--task", "reasoning"])
+    assert args.budgets == [0.25, 0.125] and args.model == REPO / ".cache/models/reasoning-base"
+    assert parse(["--budgets", "48,0.5"]).budgets == [48, 0.5]
+    assert parse([]).model == REPO / ".cache/models/tiny-base"
+    for bad in ("0", "-3", "1.5", "x"):
+        with pytest.raises(SystemExit):
+            parse(["--budgets", bad])
+    assert resolve_budgets([48, 16], []) == ([48, 16], {})       # tokens: no config read
+
+
+def test_a_share_is_of_the_mean_prompt_plus_gold_response(tiny_model):
+    from common.modeling import load_tokenizer
+    from launch.config import load_config
+    from tasks import make_task
+
+    common = [f"rollout.model_path={tiny_model}"]
+    task, tok = make_task(load_config(common).task), load_tokenizer(tiny_model)
+    lens = [len(tok(p.prompt + task.solution(p.prompt))["input_ids"]) + 1
+            for p in task.problems("heldout")]
+    budgets, shares = resolve_budgets([0.5, 16], common)
+    assert budgets == [round(0.5 * sum(lens) / len(lens)), 16]
+    assert shares == {budgets[0]: 0.5}
+
+
+def test_time_to_dense_accuracy_sums_the_steps_up_to_the_first_eval_reaching_it():
+    stats = {"curve": [(0, 0.2), (2, 0.5), (4, 0.7)],
+             "seconds": [(1, (10.0, 4.0)), (2, (12.0, 5.0)), (3, (9.0, 3.0)), (4, (11.0, 6.0))]}
+    assert time_to(stats, 0.5) == (22.0, 9.0)        # reached at step 2
+    assert time_to(stats, 0.7) == (42.0, 18.0)
+    assert time_to(stats, 0.1) == (0, 0)             # the base model already had it
+    assert time_to(stats, 0.9) == (None, None) and time_to(stats, None) == (None, None)
 
 
 @pytest.mark.slow
