@@ -6,8 +6,8 @@
     python bench/compare.py --task reasoning --budgets 0.25,0.125   # budgets as shares
 
 ``--task``: ``running_sum`` (the default config and ``.cache/models/tiny-base``) or ``reasoning``
-(``launch/configs/reasoning.yaml`` and ``.cache/models/reasoning-base``); the task's base model is
-built first when ``--model`` is missing (``launch/make_base_model.py --task``). ``--budgets``
+(``launch/configs/reasoning.yaml`` and ``.cache/models/reasoning-base``); without ``--model`` the
+task's base model is built first when missing (``launch/make_base_model.py --task``). ``--budgets``
 takes tokens (>= 1) or shares of the task's mean held-out sequence, prompt + gold response + EOS
 (< 1; ``budget_share`` in the rows), resolved once before any run.
 
@@ -239,10 +239,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         args.eval_every = 1 if quick else 5
     if args.parallel < 1 or any(b <= 0 for b in args.budgets) or not args.seeds:
         ap.error("--parallel must be >= 1, --budgets > 0, and --seeds non-empty")
+    args.build_model = args.model is None      # the task's default model: built when missing
     if args.model is None:
         from launch.make_base_model import TASK_DEFAULTS
 
         args.model = REPO / TASK_DEFAULTS[args.task]["out"]
+    elif not (args.model / "config.json").is_file():
+        ap.error(f"--model {args.model}: no model there (config.json missing)")
     names = [a.name for a in ARMS]
     args.arms = args.arms.split(",") if args.arms else names
     if not args.arms or set(args.arms) - set(names):
@@ -259,7 +262,8 @@ def main(argv: list[str]) -> int:
     common = [*(["--config", str(REPO / preset)] if preset else []),
               f"rollout.model_path={args.model}", f"run.eval_every={args.eval_every}",
               "run.checkpoint_every=0", *(QUICK if args.quick else ()), *args.overrides]
-    ensure_model(args.task, args.model)
+    if args.build_model:
+        ensure_model(args.task, args.model)
     args.budgets, shares = resolve_budgets(args.budgets, common)
     if args.steps is not None:
         common.append(f"run.steps={args.steps}")

@@ -19,7 +19,7 @@ STATS = (("reward_last", "reward", "last"), ("agreement_mean", "mismatch/agreeme
 COLUMNS = ("acc_dense_decode", "acc_sparse_decode", "acc_base", "acc_base_sparse", "reward_last",
            "agreement_mean", "agreement_p5", "k3", "frac_rejected", "frac_vetoed",
            "kv_bytes_vs_dense", "rollout_s_vs_dense", "rollout_kv_vs_dense", "kv_budget_mean",
-           "probe_p5_min_bin")
+           "probe_p5_min_bin", "to_dense_acc_wall_s", "to_dense_acc_rollout_s")
 
 
 POLICY_NAMES = {"rkv": "R-KV", "h2o": "H2O", "snapkv": "SnapKV", "streaming": "StreamingLLM"}
@@ -64,6 +64,9 @@ def run_stats(run_dir: Path) -> dict:
         out[name] = (vals[-1] if how == "last" else sum(vals) / len(vals)) if vals else None
     curve = {int(r["step"]): r["eval/accuracy"] for r in records if "eval/accuracy" in r}
     out["curve"] = sorted(curve.items())
+    # per training step: (step seconds, rollout seconds), for the time to an accuracy
+    out["seconds"] = [(int(r["step"]), (float(r.get("time/step_s", 0.0)),
+                                        float(r.get("time/rollout_gen_s", 0.0)))) for r in train]
     return out
 
 
@@ -78,7 +81,9 @@ def aggregate(rows: list[dict]) -> list[dict]:
         groups.setdefault((r["arm"], r["budget"]), []).append(r)
     out = []
     for (arm, budget), rs in groups.items():
-        entry = {"arm": arm, "budget": budget, "seeds": len(rs)}
+        entry = {"arm": arm, "budget": budget, "seeds": len(rs),
+                 "budget_share": rs[0].get("budget_share"),
+                 "reached_dense_acc": sum(r.get("to_dense_acc_wall_s") is not None for r in rs)}
         for c in COLUMNS:
             vals = [r[c] for r in rs if r.get(c) is not None]
             if vals:
@@ -90,7 +95,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
 def markdown(result: dict) -> str:
     head = ["arm", "budget", "seeds", "acc dense-decode", "acc sparse-decode", "base (dense/sparse)",
             "reward last", "agree mean", "agree p5", "k3", "rejected", "vetoed", "KV vs dense",
-            "rollout s vs dense"]
+            "rollout KV vs dense", "rollout s vs dense", "to dense acc: runs, train s, rollout s"]
     lines = [f"# sparse-rl comparison\n\n`{result['command']}`: {result['wall_s']:.0f} s; budgets "
              f"{result['budgets']} tokens, seeds {result['seeds']}. Mean ± std over seeds.\n",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -99,17 +104,24 @@ def markdown(result: dict) -> str:
             if c not in e:
                 return "-"
             return f"{e[c]:.3f}" + (f" ± {e[c + '_std']:.3f}" if e["seeds"] > 1 else "")
+        share = f" ({e['budget_share']:g})" if e.get("budget_share") else ""
+        reach = (f"{e.get('reached_dense_acc', 0)}/{e['seeds']}, {cell('to_dense_acc_wall_s')}, "
+                 f"{cell('to_dense_acc_rollout_s')}")
         lines.append("| " + " | ".join([
-            e["arm"], str(e["budget"]), str(e["seeds"]), cell("acc_dense_decode"),
+            e["arm"], f"{e['budget']}{share}", str(e["seeds"]), cell("acc_dense_decode"),
             cell("acc_sparse_decode"), f"{cell('acc_base')} / {cell('acc_base_sparse')}",
             *(cell(c) for c in ("reward_last", "agreement_mean", "agreement_p5", "k3",
                                 "frac_rejected", "frac_vetoed", "kv_bytes_vs_dense",
-                                "rollout_s_vs_dense"))]) + " |")
+                                "rollout_kv_vs_dense", "rollout_s_vs_dense")), reach]) + " |")
     policy = POLICY_NAMES.get(result.get("policy", "rkv"), result.get("policy"))
     lines.append("\nacc: held-out accuracy of the trained model decoded with a dense cache / with "
                  f"{policy} at the budget (the dense arm's one model is decoded at every budget). "
                  "KV vs dense: peak KV bytes per sequence of the arm's rollout policy over a dense "
-                 "cache. agreement, k3, rejected, vetoed: means over training steps.")
+                 "cache; rollout KV: the training rollouts' own, over the dense arm's. agreement, k3, "
+                 "rejected, vetoed: means over training steps. To dense acc: runs whose evaluation "
+                 "reached the same-seed dense run's final accuracy, and the training and rollout "
+                 "seconds to get there (mean over those runs). A budget in brackets: the share of "
+                 "the mean sequence it was given as.")
     for m in result["missing"]:
         lines.append(f"\n- missing arm `{m['arm']}`: {m['reason']}")
     for f in result["failed"]:

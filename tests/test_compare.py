@@ -62,7 +62,9 @@ def test_budgets_take_tokens_or_shares_and_the_task_its_model():
     args = parse(["--task", "reasoning"])
     assert args.budgets == [0.25, 0.125] and args.model == REPO / ".cache/models/reasoning-base"
     assert parse(["--budgets", "48,0.5"]).budgets == [48, 0.5]
-    assert parse([]).model == REPO / ".cache/models/tiny-base"
+    assert parse([]).model == REPO / ".cache/models/tiny-base" and parse([]).build_model
+    with pytest.raises(SystemExit):
+        parse(["--model", "/nonexistent/model"])           # a given model is never built
     for bad in ("0", "-3", "1.5", "x"):
         with pytest.raises(SystemExit):
             parse(["--budgets", bad])
