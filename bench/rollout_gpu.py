@@ -165,7 +165,10 @@ class RowTimeout(BaseException):
 @contextlib.contextmanager
 def time_cap(seconds: float | None):
     """Stop the body with RowTimeout after ``seconds`` (None/inf: no cap). SIGALRM reaches Python
-    between bytecodes, so a CUDA launch or sync in flight finishes first."""
+    between bytecodes, so a CUDA launch or sync in flight finishes first. The grad mode is restored
+    on the way out: the alarm can land inside ``torch.no_grad()``'s enter, before its own restore is
+    armed, and leave gradients off for the rest of the process (seen: later tests failing with
+    "does not require grad")."""
     if seconds in (None, math.inf) or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -173,6 +176,7 @@ def time_cap(seconds: float | None):
     def _stop(signum, frame):
         raise RowTimeout(f"row stopped at its {seconds:.0f} s cap")
 
+    grad = torch.is_grad_enabled()
     old = signal.signal(signal.SIGALRM, _stop)
     signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3))
     try:
@@ -180,6 +184,7 @@ def time_cap(seconds: float | None):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+        torch.set_grad_enabled(grad)
 
 
 def _sync(dev: torch.device) -> float:

@@ -248,7 +248,10 @@ def _start_ray(h: TwoHosts) -> None:
 
 
 def _wait_for_nodes(h: TwoHosts, n: int, timeout: float = 60.0) -> None:
-    probe = ("import ray; ray.init(address='auto', log_to_driver=False); "
+    # the head's address, never 'auto': 'auto' reads the machine's current-cluster file, which
+    # another Ray on this machine (a training run beside the suite) points at its own cluster, out
+    # of this namespace's reach: the probe then hung until its 300 s timeout
+    probe = (f"import ray; ray.init(address='{HEAD_IP}:{GCS_PORT}', log_to_driver=False); "
              "print(sum(1 for x in ray.nodes() if x['Alive']))")
     deadline = time.monotonic() + timeout
     while True:

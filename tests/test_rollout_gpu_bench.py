@@ -94,12 +94,19 @@ def test_time_cap_stops_a_row_and_the_budget_skips_the_rest(tmp_path):
         with rg.time_cap(0.05):
             while True:
                 time.sleep(0.001)
+    # an alarm landing inside no_grad's enter must not leave gradients off for the process
+    with pytest.raises(rg.RowTimeout):
+        with rg.time_cap(0.02):
+            while True:
+                with torch.no_grad():
+                    pass
+    assert torch.is_grad_enabled()
     out = tmp_path / "rows.json"
     rows = rg.main(SMALL + ["--rows", "same", "--policies", "snapkv", "--row-cap", "0.001",
                             "--json", str(out)])
     assert [r["status"] for r in rows] == ["timeout", "timeout"]
     assert "stopped at its 0 s cap" in rows[0]["note"] and rows[0]["speed_vs_dense"] is None
-    assert json.loads(out.read_text())[1]["status"] == "timeout"
+    assert json.loads(out.read_text())[1]["status"] == "timeout" and torch.is_grad_enabled()
     rows = rg.main(SMALL + ["--rows", "same", "--policies", "rkv", "--time-budget", "0.01"])
     assert [r["status"] for r in rows] == ["skipped", "skipped"]
 
