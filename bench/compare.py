@@ -299,25 +299,25 @@ def main(argv: list[str]) -> int:
 
 
 def ensure_model(task: str, model: Path) -> None:
-    """Build ``task``'s base model into ``model`` unless it is there (make_base_model's defaults
-    for the task; its own check skips a complete directory)."""
-    from launch.make_base_model import build, is_complete, parse_args
+    """Build ``task``'s base model into ``model`` with make_base_model's defaults for the task;
+    ``build`` itself leaves a complete directory alone."""
+    from launch.make_base_model import build, parse_args
 
-    if not is_complete(model):
-        print(f"[compare] building the {task} base model into {model}", flush=True)
-        build(parse_args(["--task", task, "--out", str(model)]))
+    build(parse_args(["--task", task, "--out", str(model)]))
 
 
 def mean_sequence(common: list[str]) -> float:
     """Mean tokens of a held-out prompt + its gold response + EOS, for the runs' task config."""
     from common.modeling import load_tokenizer
     from launch.config import load_config
+    from launch.make_base_model import encode_example
     from tasks import make_task
 
     cfg = load_config(common)
     task = make_task(cfg.task)
     tok = load_tokenizer(cfg.rollout.model_path)
-    lens = [len(tok(p.prompt + task.solution(p.prompt))["input_ids"]) + 1
+    # the SFT encoding: prompt, gold response, EOS
+    lens = [len(encode_example(tok, p.prompt, task.solution(p.prompt))[0])
             for p in task.problems("heldout")]
     return sum(lens) / len(lens)
 

@@ -268,6 +268,10 @@ def build(args, log=print) -> Path:
     task = make_task(task_cfg)
     if args.drill and not hasattr(task, "drill"):
         raise SystemExit(f"--drill: the {task.name} task has no arithmetic drill")
+    if not (0.0 <= args.evict_share <= 1.0 and 0.0 <= args.evict_keep <= 1.0
+            and args.evict_window >= 1):
+        raise SystemExit(f"--evict-share {args.evict_share} and --evict-keep {args.evict_keep} "
+                         f"must lie in [0, 1], --evict-window {args.evict_window} be >= 1")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -149,6 +149,11 @@ def test_base_model_builder_takes_the_task(tmp_path):
     default = mbm.parse_args([])
     assert default.out == ".cache/models/tiny-base" and default.target_acc == 0.35
     assert mbm.parse_args(["--task", "reasoning"]).out == ".cache/models/reasoning-base"
+    for bad in (["--evict-share", "1.5"], ["--evict-keep", "-0.1"], ["--evict-window", "0"]):
+        with pytest.raises(SystemExit, match="--evict-share .* must lie in"):
+            mbm.build(mbm.parse_args(["--task", "reasoning", "--out", str(tmp_path / "x"), *bad]),
+                      log=lambda s: None)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "x.tmp").exists()
 
 
 def test_attention_concentration_of_a_uniform_head():
