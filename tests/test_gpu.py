@@ -416,3 +416,19 @@ def test_bf16_learner_step_with_checkpointing_on_cuda(tmp_path):
     m = train(lrn, batch)
     assert m["learner/optimizer_steps"] == 2 and lrn.state_checksum() != before
     assert m["loss/clipfrac"] > 0
+
+
+def test_decode_cuda_bench_profiles_graphs_and_eager(tmp_path):
+    """bench/decode_cuda.py on a small Qwen2.5 shape: both step modes, kernels found on the GPU."""
+    import json
+
+    from bench import decode_cuda
+
+    out = tmp_path / "dc.json"
+    assert decode_cuda.main(["--shape", "qwen2.5-0.5b", "--batch", "4", "--prompt-len", "16",
+                             "--gen-len", "64", "--trace-len", "8", "--budget", "32", "--every",
+                             "16", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["policy"], r["mode"]) for r in rows} == {
+        (p, m) for p in ("dense", "rkv") for m in ("graphs", "eager")}
+    assert all(r["gpu_ms_per_step"] > 0 and r["top_kernels"] and 0 < r["busy"] for r in rows)
