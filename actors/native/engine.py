@@ -157,7 +157,6 @@ class NativeEngine:
 
         if any(len(r) == 0 for r in responses):
             raise ValueError("native engine: replay needs a non-empty response per row")
-        forced = [torch.tensor(r, dtype=torch.long) for r in responses]
         kept: list[list[torch.Tensor]] = [[] for _ in prompts]
 
         def pick(logits, st):
@@ -165,8 +164,7 @@ class NativeEngine:
             logp = torch.log_softmax(truncate(scaled, params.top_k, params.top_p)
                                      if params.temperature else scaled, dim=-1)
             ids, steps = st.ids, st.count[st.ids]
-            tok = torch.stack([forced[o][c] for o, c in zip(ids.tolist(), steps.tolist())])
-            tok = tok.to(logits.device)
+            tok = _forced(responses, ids, steps, logits.device)
             out = logp if against is None else tv_agreement(
                 logp, against.at(torch.from_numpy(ids), torch.from_numpy(steps)))
             for j, o in enumerate(ids.tolist()):
@@ -176,6 +174,25 @@ class NativeEngine:
         no_stop = replace(params, stop_token_ids=(), stop=())
         self._run(prompts, [len(r) for r in responses], no_stop, pick)
         return [torch.stack(d) for d in kept]
+
+    @torch.no_grad()
+    def replay_kept_sets(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list]:
+        """Teacher-forced pass over given responses that returns, per row, the compression events
+        (``GenerationOutput.trace``: what ``common.kept`` turns into a visibility mask) this
+        engine's KV policy would produce on them. Needs ``trace=True``. What the sampler would
+        keep does not depend on the sampling settings, so there are none."""
+        if not self.trace:
+            raise ValueError("native engine: replay_kept_sets needs an engine built with trace=True")
+        if any(len(r) == 0 for r in responses):
+            raise ValueError("native engine: replay_kept_sets needs a non-empty response per row")
+
+        def pick(logits, st):
+            tok = _forced(responses, st.ids, st.count[st.ids], logits.device)
+            return tok, torch.zeros(len(tok), device=logits.device)
+
+        outs = self._run(prompts, [len(r) for r in responses], SamplingParams(temperature=0.0),
+                         pick)
+        return [o.trace for o in outs]
 
     def _run(self, prompts, max_new: list[int], params: SamplingParams, pick) -> list[GenerationOutput]:
         """The decode loop shared by ``generate`` and ``replay``: ``pick(logits, state)`` gives each
@@ -377,3 +394,9 @@ class NativeEngine:
                 pool.n.index_fill_(0, rows, budget)
             st.n[part] = budget
             st.compressed(part, torch.stack(kept, dim=1) if st.trace is not None else None)
+
+
+def _forced(responses: list[list[int]], ids: np.ndarray, steps: np.ndarray, device) -> torch.Tensor:
+    """The next forced token [R] of live rows ``ids`` (original indices) at their ``steps``."""
+    return torch.tensor([responses[o][c] for o, c in zip(ids.tolist(), steps.tolist())],
+                        dtype=torch.long, device=device)
