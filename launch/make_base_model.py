@@ -10,6 +10,9 @@ held-out greedy accuracy 0.453 (128 problems; 0.465 on 256). ``--threads 1``: 90
 The model is trained only until its greedy held-out accuracy crosses ``--target-acc`` (checked every
 ``--eval-every`` steps, capped by ``--max-steps``), so it is competent but far from perfect and RL has
 room to improve it. Everything is a function of ``--seed`` (one torch thread, seeded data order).
+``--kept-share`` (reasoning: 0.5) trains that share of each batch under the kept sets the rollout
+engine's KV policy would have at one of ``--kept-budgets`` (``kept_set_evictions``), so the model
+keeps working when most of its KV is evicted, the way large pretrained models do.
 The directory gets ``save_pretrained`` safetensors, the character tokenizer, ``sft_metrics.json`` and
 a ``.complete`` marker; a directory with the marker is reused unless ``--force``.
 """
@@ -42,8 +45,9 @@ TASK_DEFAULTS = {
                 "batch_size": 32, "lr": 2e-3, "max_steps": 1500, "eval_every": 50,
                 "n_eval": 128, "target_acc": 0.35},
     "reasoning": {"out": ".cache/models/reasoning-base", "hidden": 128, "layers": 4, "heads": 4,
-                  "batch_size": 16, "lr": 2e-3, "max_steps": 1500, "eval_every": 50,
-                  "n_eval": 128, "target_acc": 0.4, "drill": 4},
+                  "batch_size": 16, "lr": 2e-3, "max_steps": 1500, "eval_every": 25,
+                  "n_eval": 128, "target_acc": 0.4, "drill": 4,
+                  "kept_share": 0.5, "kept_budgets": "45,90,180"},
 }
 
 
@@ -68,14 +72,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--drill", type=int, default=None,
                    help="arithmetic drill sequences added to each batch (tasks with a drill(): "
                         "reasoning; loss on the results only; default 0, reasoning 4)")
-    p.add_argument("--evict-share", type=float, default=None,
-                   help="share of each batch's task sequences trained under an eviction mask "
-                        "(eviction_mask; default 0: measured on the reasoning task, 0.5 lowered "
-                        "R-KV's sparse-decode accuracy, docs/RESULTS.md)")
-    p.add_argument("--evict-window", type=int, default=32,
-                   help="keys younger than this are never evicted by the mask")
-    p.add_argument("--evict-keep", type=float, default=0.25,
-                   help="share of older keys the mask never evicts")
+    p.add_argument("--kept-share", type=float, default=None,
+                   help="share of each batch's task sequences trained under the kept sets a "
+                        "compressed KV cache has when the model reads them (kept_set_evictions; "
+                        "default 0, reasoning 0.5)")
+    p.add_argument("--kept-budgets", default=None,
+                   help="comma-separated KV budgets (tokens), one drawn per step for the kept "
+                        "sequences (reasoning: 45,90,180 = 12.5/25/50%% of its mean sequence)")
+    p.add_argument("--kept-policy", choices=["streaming", "h2o", "snapkv", "rkv"], default="rkv",
+                   help="the KV policy whose kept sets are trained under")
+    p.add_argument("--kept-compress-every", type=int, default=16,
+                   help="decode steps between compressions (rollout.kv.compress_every)")
     p.add_argument("--min-terms", type=int, default=TaskConfig.min_terms)
     p.add_argument("--max-terms", type=int, default=TaskConfig.max_terms)
     # --task reasoning: task.reasoning.* (tasks/reasoning.py); a model is built for one shape
@@ -91,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     # the default RL recipe was measured on both the 1- and the 2-thread model.
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
-    for key, value in {"drill": 0, "evict_share": 0.0, **TASK_DEFAULTS[args.task]}.items():
+    for key, value in {"drill": 0, "kept_share": 0.0, "kept_budgets": "", **TASK_DEFAULTS[args.task]}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     return args
@@ -155,29 +162,40 @@ def collate(examples, pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def eviction_mask(attention_mask: torch.Tensor, evict: torch.Tensor, window: int, keep: float,
-                  gen: torch.Generator, sinks: int = 4) -> torch.Tensor:
-    """Additive attention mask [B, 1, T, T] (0 visible, dtype-min hidden): causal, padding keys
-    hidden, and in the rows ``evict`` [B] bool, keys evicted the way a compressed KV cache evicts
-    them: once gone, gone for every later query. Each key past the first ``sinks`` is kept for
-    good with probability ``keep``, else lives ``L ~ U[window, 4 window)`` positions.
+def kept_set_evictions(model, examples, budget: int, policy: str, compress_every: int,
+                       width: int) -> torch.Tensor:
+    """Eviction points int32 [B, L * Hkv, width] (``common.kept.evictions``; padding: never
+    evicted, the causal rule hides it) of the SFT ``examples`` as the native engine would evict
+    them with ``policy`` at ``budget``, reading them teacher-forced with the current ``model``.
 
     Why: a ~1M-parameter model SFT'd for minutes attends over its whole context and breaks when
-    keys go, where a large pretrained model's attention is sparse, so most of its KV can go. This
-    tries to give the tiny model that property by training part of each batch under eviction (the
-    task's redundancy lets it be exact without the old keys). Measured, it did not help R-KV
-    (docs/RESULTS.md, the reasoning task), so it is off by default."""
-    b, t = attention_mask.shape
-    life = torch.randint(window, 4 * window, (b, t), generator=gen).float()
-    life[torch.rand(b, t, generator=gen) < keep] = float("inf")
-    life[:, :sinks] = float("inf")
-    life[~evict] = float("inf")
-    age = torch.arange(t).view(t, 1) - torch.arange(t).view(1, t)          # query i - key j
-    visible = (age >= 0) & (age.unsqueeze(0) < life.unsqueeze(1))            # [B, T(i), T(j)]
-    visible &= attention_mask.bool().unsqueeze(1)
-    visible |= torch.eye(t, dtype=torch.bool)                                # padding queries
-    mask = torch.zeros(b, 1, t, t)
-    return mask.masked_fill_(~visible.unsqueeze(1), torch.finfo(mask.dtype).min)
+    keys go (R-KV at 25% of the reasoning task's sequence: 0.016 against 0.656 dense), where a
+    large pretrained model's attention is sparse, so most of its KV can go. Training part of each
+    batch under the kept sets the rollout engine itself would produce (the DistillSparse
+    visibility rule, ``learner.distill``) gives the tiny model that property; the task's
+    redundancy lets it stay exact without the evicted keys (docs/RESULTS.md)."""
+    from actors.config import KVConfig, KVPolicy
+    from actors.native.engine import NativeEngine
+    from common.kept import NEVER, evictions
+
+    cfg = model.config
+    layers, n_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
+    kv = KVConfig(policy=KVPolicy(policy), budget=budget, compress_every=compress_every)
+    engine = NativeEngine(model, kv, batch_size=len(examples), trace=True)
+    prompts = [x[:_prompt_len(y)] for x, y in examples]
+    was_training = model.training
+    model.eval()
+    traces = engine.replay_kept_sets(prompts, [x[len(p):] for (x, _), p in zip(examples, prompts)])
+    model.train(was_training)
+    ev = torch.full((len(examples), layers * n_kv, width), NEVER, dtype=torch.int32)
+    for i, (trace, (x, _)) in enumerate(zip(traces, examples)):
+        ev[i, :, :len(x)] = evictions(trace, layers, n_kv, len(x)).view(layers * n_kv, -1)
+    return ev
+
+
+def _prompt_len(labels: list[int]) -> int:
+    """Tokens before the first supervised one (``encode_example``: the prompt)."""
+    return next(i for i, v in enumerate(labels) if v != -100)
 
 
 @torch.no_grad()
@@ -202,11 +220,47 @@ def accuracy(model, tok, task, problems, max_new_tokens: int, greedy: bool = Tru
     return sum(task.reward(r, p.answer) for r, p in zip(responses, problems)) / max(1, len(problems))
 
 
+def parse_budgets(text: str) -> list[int]:
+    """``--kept-budgets`` as a list of positive ints ("" -> [])."""
+    try:
+        budgets = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        raise SystemExit(f"--kept-budgets {text!r}: not comma-separated integers") from None
+    if any(b < 1 for b in budgets):
+        raise SystemExit(f"--kept-budgets {text!r}: budgets must be >= 1")
+    return budgets
+
+
+def kept_sft_loss(model, examples, batch: dict, n_kept: int, budget: int, args) -> torch.Tensor:
+    """The batch's mean token loss with its first ``n_kept`` sequences read under the kept sets
+    of ``args.kept_policy`` at ``budget`` (``kept_set_evictions``), the rest dense."""
+    from learner.distill import ATTN
+
+    width = batch["input_ids"].shape[1]
+    ev = kept_set_evictions(model, examples[:n_kept], budget, args.kept_policy,
+                            args.kept_compress_every, width)
+    labels = batch["labels"]
+    tokens = [(labels[:n_kept] != -100).sum(), (labels[n_kept:] != -100).sum()]
+    dense_impl = model.config._attn_implementation
+    model.set_attn_implementation(ATTN)
+    try:
+        kept = model(input_ids=batch["input_ids"][:n_kept], labels=labels[:n_kept],
+                     kv_evictions=ev).loss
+    finally:
+        model.set_attn_implementation(dense_impl)
+    if n_kept == len(examples):
+        return kept
+    dense = model(**{k: v[n_kept:] for k, v in batch.items()}).loss
+    return (kept * tokens[0] + dense * tokens[1]) / (tokens[0] + tokens[1])
+
+
 def sft(model, tok, task, args, log=print) -> dict:
     """Train until held-out greedy accuracy >= target or max_steps; returns the metrics."""
     rng = random.Random(f"sft:{args.seed}")
     drill_rng = random.Random(f"drill:{args.seed}")
-    evict_gen = torch.Generator().manual_seed(args.seed)
+    kept_rng = random.Random(f"kept:{args.seed}")
+    budgets = parse_budgets(args.kept_budgets)
+    n_kept = round(args.kept_share * args.batch_size)
     train = [encode_example(tok, p.prompt, task.solution(p.prompt)) for p in task.problems("train")]
     held = task.problems("heldout")[: args.n_eval]
     max_new = max(len(task.solution(p.prompt)) for p in task.problems("heldout")) + 8
@@ -219,11 +273,8 @@ def sft(model, tok, task, args, log=print) -> dict:
         examples = rng.sample(train, args.batch_size)
         examples += [encode_drill(tok, task.drill(drill_rng)) for _ in range(args.drill)]
         batch = collate(examples, tok.pad_token_id)
-        if args.evict_share > 0:
-            evict = torch.arange(len(examples)) < round(args.evict_share * args.batch_size)
-            batch["attention_mask"] = eviction_mask(batch["attention_mask"], evict,
-                                                    args.evict_window, args.evict_keep, evict_gen)
-        loss = model(**batch).loss
+        loss = kept_sft_loss(model, examples, batch, n_kept, kept_rng.choice(budgets), args) \
+            if n_kept else model(**batch).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -268,10 +319,15 @@ def build(args, log=print) -> Path:
     task = make_task(task_cfg)
     if args.drill and not hasattr(task, "drill"):
         raise SystemExit(f"--drill: the {task.name} task has no arithmetic drill")
-    if not (0.0 <= args.evict_share <= 1.0 and 0.0 <= args.evict_keep <= 1.0
-            and args.evict_window >= 1):
-        raise SystemExit(f"--evict-share {args.evict_share} and --evict-keep {args.evict_keep} "
-                         f"must lie in [0, 1], --evict-window {args.evict_window} be >= 1")
+    if not 0.0 <= args.kept_share <= 1.0:
+        raise SystemExit(f"--kept-share {args.kept_share} must lie in [0, 1]")
+    if args.kept_share > 0 and not parse_budgets(args.kept_budgets):
+        raise SystemExit("--kept-share > 0 needs --kept-budgets")
+    if args.kept_compress_every < 1:
+        raise SystemExit(f"--kept-compress-every {args.kept_compress_every} must be >= 1")
+    from learner.distill import register_attention
+
+    register_attention()
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

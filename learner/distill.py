@@ -80,7 +80,8 @@ def _divergence(cfg) -> str:
     return getattr(cfg.divergence, "value", cfg.divergence)
 
 
-def _register() -> None:
+def register_attention() -> None:
+    """Make ``ATTN`` an attention implementation transformers models can be set to."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN, kept_sets_attention)
@@ -127,7 +128,7 @@ class SparseAdapter:
                  zero3: bool = False):
         from peft import get_peft_model
 
-        _register()
+        register_attention()
         self.cfg, self.grad_clip, self.world_size = cfg, float(grad_clip), int(world_size)
         self.zero3 = bool(zero3)
         device = next(iter(base.values())).device

@@ -149,11 +149,6 @@ def test_base_model_builder_takes_the_task(tmp_path):
     default = mbm.parse_args([])
     assert default.out == ".cache/models/tiny-base" and default.target_acc == 0.35
     assert mbm.parse_args(["--task", "reasoning"]).out == ".cache/models/reasoning-base"
-    for bad in (["--evict-share", "1.5"], ["--evict-keep", "-0.1"], ["--evict-window", "0"]):
-        with pytest.raises(SystemExit, match="--evict-share .* must lie in"):
-            mbm.build(mbm.parse_args(["--task", "reasoning", "--out", str(tmp_path / "x"), *bad]),
-                      log=lambda s: None)
-    assert not (tmp_path / "x").exists() and not (tmp_path / "x.tmp").exists()
 
 
 def test_attention_concentration_of_a_uniform_head():
@@ -193,29 +188,3 @@ def test_drill_is_the_tasks_arithmetic_with_loss_on_results_only():
     ids, labels = encode_drill(tok, pairs[:2])
     assert tok.decode(ids) == "".join(f"{q}{a}.\n" for q, a in pairs[:2])
     assert tok.decode([i for i in labels if i != -100]) == pairs[0][1] + pairs[1][1]
-
-
-def test_eviction_mask_hides_keys_for_good_and_leaves_dense_rows_causal():
-    import torch
-
-    from launch.make_base_model import eviction_mask
-
-    am = torch.ones(3, 200, dtype=torch.long)
-    am[2, 150:] = 0                                                      # a padded row
-    evict = torch.tensor([True, False, True])
-    m = eviction_mask(am, evict, window=8, keep=0.25, gen=torch.Generator().manual_seed(0)) == 0
-    causal = torch.tril(torch.ones(200, 200, dtype=torch.bool))
-    assert m.shape == (3, 1, 200, 200)
-    assert torch.equal(m[1, 0], causal)                                  # no eviction
-    v = m[0, 0]
-    assert not (v & ~causal).any()                                       # never a future key
-    assert v[:, :4][causal[:, :4]].all()                                 # the sinks stay
-    age = torch.arange(200).view(-1, 1) - torch.arange(200).view(1, -1)
-    assert v[(age >= 0) & (age < 8)].all()                               # the window stays
-    # once evicted, a key stays evicted for every later query
-    for j in range(4, 190):
-        seen = v[j:, j].int()
-        assert (seen[1:] <= seen[:-1]).all()
-    kept_for_good = v[-1, 4:150].float().mean()
-    assert 0.1 < kept_for_good < 0.45                                    # ~keep of the old keys
-    assert not m[2, 0, 160, 150:160].any() and m[2, 0, 160, 160]         # padding hidden, self kept
