@@ -26,10 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from actors.config import KVConfig  # noqa: E402
 from actors.engine import SamplingParams  # noqa: E402
 from actors.native import NativeEngine  # noqa: E402
-from bench.rollout_gpu import SHAPES  # noqa: E402
+from bench.rollout_gpu import SHAPES, bench_kv  # noqa: E402
 from bench.rollout_rows import prompts  # noqa: E402
 
 
@@ -40,9 +39,7 @@ def _sync() -> float:
 
 
 def _engine(model, policy: str, mode: str, args) -> NativeEngine:
-    kv = KVConfig(policy=policy) if policy == "dense" else \
-        KVConfig(policy=policy, budget=args.budget, compress_every=args.every)
-    return NativeEngine(model, kv, batch_size=args.batch, step=mode)
+    return NativeEngine(model, bench_kv(policy, args), batch_size=args.batch, step=mode)
 
 
 def measure(model, policy: str, mode: str, args) -> dict:

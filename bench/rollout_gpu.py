@@ -193,11 +193,15 @@ def _sync(dev: torch.device) -> float:
     return time.perf_counter()
 
 
+def bench_kv(policy: str, args) -> KVConfig:
+    """The KV settings of a bench row: ``policy`` at ``args.budget`` / ``args.every``."""
+    return KVConfig(policy=policy, compress_every=args.every) if policy == "dense" else \
+        KVConfig(policy=policy, budget=args.budget, compress_every=args.every)
+
+
 def native_row(model, ps, gen_len: int, policy: str, args, kv_limit: int | None = None) -> dict:
     """One native generate call; ``kv_limit``: the equal rows' KV bytes may not exceed dense's."""
-    kv = KVConfig(policy=policy, compress_every=args.every) if policy == "dense" else \
-        KVConfig(policy=policy, budget=args.budget, compress_every=args.every)
-    eng = NativeEngine(model, kv, batch_size=len(ps))
+    eng = NativeEngine(model, bench_kv(policy, args), batch_size=len(ps))
     dev = next(model.parameters()).device
     t0 = _sync(dev)
     outs = eng.generate(ps, SamplingParams(max_new_tokens=gen_len, seed=args.seed))
