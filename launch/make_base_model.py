@@ -98,7 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     # the default RL recipe was measured on both the 1- and the 2-thread model.
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
-    for key, value in {"drill": 0, "kept_share": 0.0, "kept_budgets": "", **TASK_DEFAULTS[args.task]}.items():
+    unset = {"drill": 0, "kept_share": 0.0, "kept_budgets": "", **TASK_DEFAULTS[args.task]}
+    for key, value in unset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     return args

@@ -182,7 +182,8 @@ class NativeEngine:
         engine's KV policy would produce on them. Needs ``trace=True``. What the sampler would
         keep does not depend on the sampling settings, so there are none."""
         if not self.trace:
-            raise ValueError("native engine: replay_kept_sets needs an engine built with trace=True")
+            raise ValueError("native engine: replay_kept_sets needs an engine built with "
+                             "trace=True")
         if any(len(r) == 0 for r in responses):
             raise ValueError("native engine: replay_kept_sets needs a non-empty response per row")
 
