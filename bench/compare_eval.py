@@ -11,6 +11,8 @@ STATS = (("reward_last", "reward", "last"), ("agreement_mean", "mismatch/agreeme
          ("agreement_p5", "mismatch/agreement_p5", "mean"), ("k3", "mismatch/k3", "mean"),
          ("frac_rejected", "correction/frac_rejected", "mean"),
          ("frac_vetoed", "correction/frac_vetoed", "mean"),
+         ("signal_dropped_pos", "correction/signal_dropped_pos", "mean"),
+         ("signal_dropped_neg", "correction/signal_dropped_neg", "mean"),
          ("rollout_s", "time/rollout_gen_s", "mean"),
          ("rollout_kv_bytes", "rollout/kv_bytes_per_seq", "mean"),
          ("kv_budget_mean", "rollout/kv_budget_mean", "mean"),
@@ -18,7 +20,8 @@ STATS = (("reward_last", "reward", "last"), ("agreement_mean", "mismatch/agreeme
 # compare.md columns, mean ± spread over seeds
 COLUMNS = ("acc_dense_decode", "acc_sparse_decode", "acc_base", "acc_base_sparse", "reward_last",
            "agreement_mean", "agreement_p5", "k3", "frac_rejected", "frac_vetoed",
-           "kv_bytes_vs_dense", "rollout_s_vs_dense", "rollout_kv_vs_dense", "kv_budget_mean",
+           "signal_dropped_pos", "signal_dropped_neg", "kv_bytes_vs_dense", "rollout_s_vs_dense",
+           "rollout_kv_vs_dense", "kv_budget_mean",
            "probe_p5_min_bin", "to_dense_acc_wall_s", "to_dense_acc_rollout_s")
 
 
@@ -94,8 +97,9 @@ def aggregate(rows: list[dict]) -> list[dict]:
 
 def markdown(result: dict) -> str:
     head = ["arm", "budget", "seeds", "acc dense-decode", "acc sparse-decode", "base (dense/sparse)",
-            "reward last", "agree mean", "agree p5", "k3", "rejected", "vetoed", "KV vs dense",
-            "rollout KV vs dense", "rollout s vs dense", "to dense acc: runs, train s, rollout s"]
+            "reward last", "agree mean", "agree p5", "k3", "rejected", "vetoed",
+            "signal dropped A>0 / A<0", "KV vs dense", "rollout KV vs dense", "rollout s vs dense",
+            "to dense acc: runs, train s, rollout s"]
     lines = [f"# sparse-rl comparison\n\n`{result['command']}`: {result['wall_s']:.0f} s; budgets "
              f"{result['budgets']} tokens, seeds {result['seeds']}. Mean ± std over seeds.\n",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -111,17 +115,21 @@ def markdown(result: dict) -> str:
             e["arm"], f"{e['budget']}{share}", str(e["seeds"]), cell("acc_dense_decode"),
             cell("acc_sparse_decode"), f"{cell('acc_base')} / {cell('acc_base_sparse')}",
             *(cell(c) for c in ("reward_last", "agreement_mean", "agreement_p5", "k3",
-                                "frac_rejected", "frac_vetoed", "kv_bytes_vs_dense",
-                                "rollout_kv_vs_dense", "rollout_s_vs_dense")), reach]) + " |")
+                                "frac_rejected", "frac_vetoed")),
+            f"{cell('signal_dropped_pos')} / {cell('signal_dropped_neg')}",
+            *(cell(c) for c in ("kv_bytes_vs_dense", "rollout_kv_vs_dense",
+                                "rollout_s_vs_dense")), reach]) + " |")
     policy = POLICY_NAMES.get(result.get("policy", "rkv"), result.get("policy"))
     lines.append("\nacc: held-out accuracy of the trained model decoded with a dense cache / with "
                  f"{policy} at the budget (the dense arm's one model is decoded at every budget). "
                  "KV vs dense: peak KV bytes per sequence of the arm's rollout policy over a dense "
                  "cache; rollout KV: the training rollouts' own, over the dense arm's. agreement, k3, "
-                 "rejected, vetoed: means over training steps. To dense acc: runs whose evaluation "
-                 "reached the same-seed dense run's final accuracy, and the training and rollout "
-                 "seconds to get there (mean over those runs). A budget in brackets: the share of "
-                 "the mean sequence it was given as.")
+                 "rejected, vetoed: means over training steps; signal dropped: the share of "
+                 "|advantage| x tokens that rejection and veto take out of the loss, for rows "
+                 "with a positive / negative advantage (step mean). To dense acc: runs whose "
+                 "evaluation reached the same-seed dense run's final accuracy, and the training "
+                 "and rollout seconds to get there (mean over those runs). A budget in brackets: "
+                 "the share of the mean sequence it was given as.")
     for m in result["missing"]:
         lines.append(f"\n- missing arm `{m['arm']}`: {m['reason']}")
     for f in result["failed"]:

@@ -100,5 +100,31 @@ def mismatch_metrics(sampler_logp: Tensor, old_logp: Tensor, mask: Tensor, clamp
     return {prefix + k: v for k, v in out.items()}
 
 
+def dropped_signal(advantages: Tensor, mask: Tensor, keep: Tensor,
+                   prefix: str = "correction/") -> dict[str, float]:
+    """Which policy-gradient signal the correction's rejection and veto remove.
+
+    A token's signal is |A_i| of its row (GRPO: one advantage per sequence). ``signal_dropped_pos``
+    is sum |A_i| over valid tokens off ``keep`` / sum |A_i| over valid tokens, over rows with
+    A_i > 0; ``signal_dropped_neg`` the same over rows with A_i < 0 (0.0 where such rows carry no
+    signal). Equal shares mean the correction thins the batch evenly; a veto that falls mostly on
+    one sign shifts the update towards the other (e.g. dropping failures the sparse cache caused).
+    ``advantages`` [B]; ``mask`` (valid response tokens) and ``keep`` (the loss mask) [B, T].
+    """
+    valid = as_mask(mask, mask)
+    kept = as_mask(keep, valid, "keep") & valid
+    if advantages.shape != valid.shape[:1]:
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}; expected "
+                         f"{tuple(valid.shape[:1])}")
+    check_finite("advantages", advantages)
+    a = advantages.detach().double().abs()[:, None]
+    out = {}
+    for name, rows in (("pos", advantages > 0), ("neg", advantages < 0)):
+        total = float((a * (valid & rows[:, None])).sum())
+        dropped = float((a * (valid & ~kept & rows[:, None])).sum())
+        out[f"signal_dropped_{name}"] = dropped / total if total > 0 else 0.0
+    return {prefix + k: v for k, v in out.items()}
+
+
 def _exp(x: float) -> float:
     return math.exp(min(x, 700.0))

@@ -30,7 +30,7 @@ def prepare_batch(tensors: dict, cfg, learner_version: int,
     ``learner_version`` where a row has none). ``old_logprobs`` (pi_dense^n) stays the PPO anchor.
     Otherwise ``correct(sampler, old)``. ``correction/staleness_split`` says which (1 / 0).
     """
-    from correction import correct, grpo_advantages, staleness_correct
+    from correction import correct, dropped_signal, grpo_advantages, staleness_correct
 
     resp = tensors["response_mask"].bool()
     adv, metrics = grpo_advantages(tensors["rewards"].float(), tensors["group_index"], cfg)
@@ -47,6 +47,7 @@ def prepare_batch(tensors: dict, cfg, learner_version: int,
         corr = correct(sampler, old, resp, cfg)
         corr.metrics["correction/staleness_split"] = 0.0
     metrics.update(corr.metrics)
+    metrics.update(dropped_signal(adv, resp, corr.loss_mask > 0))
     out = dict(tensors)
     groups, inv = torch.unique(tensors["group_index"], sorted=True, return_inverse=True)
     if groups.numel() < mini_batches:

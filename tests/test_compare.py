@@ -18,7 +18,8 @@ from bench.compare_eval import aggregate, markdown
 REPO = Path(__file__).resolve().parent.parent
 ROW_KEYS = {"arm", "budget", "seed", "acc_dense_decode", "acc_sparse_decode", "acc_base",
             "reward_last", "agreement_p5", "frac_vetoed", "kv_bytes_vs_dense", "rollout_s_vs_dense",
-            "budget_share", "to_dense_acc_wall_s", "to_dense_acc_rollout_s"}
+            "budget_share", "to_dense_acc_wall_s", "to_dense_acc_rollout_s", "signal_dropped_pos",
+            "signal_dropped_neg"}
 
 
 def test_plan_reports_arms_whose_keys_do_not_exist():
@@ -113,6 +114,8 @@ def test_quick_compare_runs_every_arm(tiny_model, tmp_path):
     assert by_arm["dense"]["agreement_p5"] == pytest.approx(1.0)   # no mismatch without eviction
     assert by_arm["sparse_rl"]["kv_bytes_vs_dense"] < 1.0          # R-KV at 16 evicted
     assert by_arm["naive_sparse"]["agreement_p5"] < 1.0
+    # nothing is rejected without a correction: no signal leaves the loss
+    assert by_arm["naive_sparse"]["signal_dropped_neg"] == by_arm["dense"]["signal_dropped_pos"] == 0
     md = (out / "compare.md").read_text()
     assert all(f"| {arm} | 16 |" in md for arm in ran)
     assert all(f"missing arm `{m['arm']}`" in md for m in result["missing"])

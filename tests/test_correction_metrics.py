@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from correction import mismatch_metrics, sampled_agreement, sparrow_tail, tv_agreement
+from correction import (dropped_signal, mismatch_metrics, sampled_agreement, sparrow_tail,
+                        tv_agreement)
 
 torch.set_num_threads(1)
 
@@ -79,3 +80,33 @@ def test_metrics_reject_non_finite():
         mismatch_metrics(s, o, torch.ones(1, 2))
     with pytest.raises(ValueError, match="logp_a"):
         tv_agreement(torch.tensor([float("nan"), 0.0]), torch.zeros(2))
+
+
+def test_dropped_signal_closed_form():
+    """|A|-weighted share of valid tokens off the loss mask, per advantage sign; padding and
+    zero-advantage rows never count."""
+    adv = torch.tensor([1.0, 2.0, -0.5, -1.5, 0.0])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]])
+    keep = torch.tensor([[1, 0, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]],
+                        dtype=torch.float32)
+    m = dropped_signal(adv, mask, keep)
+    # positive rows: 3 tokens x 1 (one dropped) + 2 tokens x 2 (none dropped)
+    assert m["correction/signal_dropped_pos"] == pytest.approx(1.0 / 7.0)
+    # negative rows: 4 x 0.5 (a vetoed row: all dropped) + 2 x 1.5 (one dropped)
+    assert m["correction/signal_dropped_neg"] == pytest.approx((2.0 + 1.5) / 5.0)
+    # keep outside the mask (padding) is ignored
+    assert dropped_signal(adv, mask, keep + (mask == 0).float()) == m
+
+
+def test_dropped_signal_edges_and_errors():
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    assert dropped_signal(torch.zeros(2), mask, torch.zeros(2, 3)) == {
+        "correction/signal_dropped_pos": 0.0, "correction/signal_dropped_neg": 0.0}
+    assert dropped_signal(torch.tensor([1.0, -1.0]), mask, mask) == {
+        "correction/signal_dropped_pos": 0.0, "correction/signal_dropped_neg": 0.0}
+    with pytest.raises(ValueError, match="advantages has shape"):
+        dropped_signal(torch.zeros(3), mask, mask)
+    with pytest.raises(ValueError, match="keep has shape"):
+        dropped_signal(torch.zeros(2), mask, torch.ones(2, 4))
+    with pytest.raises(ValueError, match="advantages has non-finite"):
+        dropped_signal(torch.tensor([float("nan"), 1.0]), mask, mask)
