@@ -122,6 +122,24 @@ def plan(arms, budgets: list[int], seeds: list[int],
     return jobs, missing
 
 
+# keys every run gets after the overrides (train() below): an override of one would be lost
+JOB_KEYS = ("run.seed", "rollout.seed", "learner.seed", "run.name", "run.out_dir", "run.progress")
+
+
+def override_clashes(overrides: list[str], arms, steps: int | None = None) -> list[str]:
+    """The overrides (after --) naming a key that a run sets after them: an arm's own overrides
+    (e.g. ``correction.method``), the per-run keys (``JOB_KEYS``) and ``run.steps`` with
+    ``--steps``. Each would be silently replaced, so ``parse`` refuses them by name."""
+    set_by = {k: "every run" for k in JOB_KEYS}
+    if steps is not None:
+        set_by["run.steps"] = "--steps"
+    for arm in arms:
+        for o in arm.overrides:
+            set_by.setdefault(o.split("=", 1)[0], f"arm {arm.name}")
+    keys = [o.split("=", 1)[0] for o in overrides]
+    return [f"{k} (set by {set_by[k]})" for k in keys if k in set_by]
+
+
 def train(job: dict, common: list[str], runs_dir: Path, log_dir: Path) -> dict:
     """One ``launch/train.py`` run; returns the job with ``run_dir`` (None on failure) and ``rc``."""
     name = f"{job['arm']}{'-b' + str(job['budget']) if job['budget'] else ''}-s{job['seed']}"
@@ -250,6 +268,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args.arms = args.arms.split(",") if args.arms else names
     if not args.arms or set(args.arms) - set(names):
         ap.error(f"--arms: names from {names}")
+    clashes = override_clashes(args.overrides, [a for a in ARMS if a.name in args.arms],
+                               args.steps)
+    if clashes:
+        ap.error(f"overrides {', '.join(clashes)}: a run sets these after the overrides, so "
+                 "they would be lost; drop them or choose the arm or option that sets them")
     return args
 
 

@@ -122,3 +122,18 @@ def test_quick_compare_runs_every_arm(tiny_model, tmp_path):
     titles = json.loads(Image.open(out / "compare.png").info["Description"])["panels"]
     assert any("held-out accuracy" in t for t in titles)
     assert (out / "report-b16" / "report.png").is_file()
+
+
+def test_an_override_that_a_run_would_replace_is_refused_by_name(capsys):
+    """The runs' own keys come after the user's overrides: an override of one would be lost."""
+    for argv, key in ((["--arms", "sparse_rl", "--", "correction.method=tis"], "correction.method"),
+                      (["--", "run.seed=3"], "run.seed"),
+                      (["--steps", "5", "--", "run.steps=7"], "run.steps")):
+        with pytest.raises(SystemExit):
+            parse(argv)
+        assert key in capsys.readouterr().err
+    ok = parse(["--arms", "sparse_rl", "--", "correction.rejection.veto_threshold=0",
+                "run.steps=7"])
+    assert ok.overrides == ["correction.rejection.veto_threshold=0", "run.steps=7"]
+    # a key only another arm sets is fine when that arm does not run
+    assert parse(["--arms", "dense", "--", "rollout.kv.budget=40"]).arms == ["dense"]
