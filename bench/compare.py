@@ -122,15 +122,17 @@ def plan(arms, budgets: list[int], seeds: list[int],
     return jobs, missing
 
 
-# keys every run gets after the overrides (train() below): an override of one would be lost
-JOB_KEYS = ("run.seed", "rollout.seed", "learner.seed", "run.name", "run.out_dir", "run.progress")
+def run_settings(seed: int, name: str, runs_dir: Path | str) -> dict[str, object]:
+    """The keys each run gets after the overrides (``train``): its seeds, name and folder."""
+    return {"run.seed": seed, "rollout.seed": seed, "learner.seed": seed, "run.name": name,
+            "run.out_dir": runs_dir, "run.progress": "false"}
 
 
 def override_clashes(overrides: list[str], arms, steps: int | None = None) -> list[str]:
     """The overrides (after --) naming a key that a run sets after them: an arm's own overrides
-    (e.g. ``correction.method``), the per-run keys (``JOB_KEYS``) and ``run.steps`` with
+    (e.g. ``correction.method``), the per-run keys (``run_settings``) and ``run.steps`` with
     ``--steps``. Each would be silently replaced, so ``parse`` refuses them by name."""
-    set_by = {k: "every run" for k in JOB_KEYS}
+    set_by = {k: "every run" for k in run_settings(0, "", "")}
     if steps is not None:
         set_by["run.steps"] = "--steps"
     for arm in arms:
@@ -145,8 +147,7 @@ def train(job: dict, common: list[str], runs_dir: Path, log_dir: Path) -> dict:
     name = f"{job['arm']}{'-b' + str(job['budget']) if job['budget'] else ''}-s{job['seed']}"
     seed = job["seed"]
     args = [sys.executable, str(REPO / "launch/train.py"), *common, *job["overrides"],
-            f"run.seed={seed}", f"rollout.seed={seed}", f"learner.seed={seed}",
-            f"run.name={name}", f"run.out_dir={runs_dir}", "run.progress=false"]
+            *(f"{k}={v}" for k, v in run_settings(seed, name, runs_dir).items())]
     t0 = time.time()
     log = log_dir / f"{name}.log"
     with log.open("w") as f:

@@ -13,7 +13,8 @@ from correction.config import (AdvantageConfig, CorrectionConfig, CorrectionMeth
                                LossConfig, NormalizeOver, RejectionConfig, SeqMaskTISConfig,
                                StalenessConfig, TISConfig)
 from correction.loss import aggregate, grpo_advantages, kl_penalty, policy_loss
-from correction.metrics import dropped_signal, mismatch_metrics, sampled_agreement, sparrow_tail, tv_agreement
+from correction.metrics import (dropped_signal, mismatch_metrics, sampled_agreement, sparrow_tail,
+                                tv_agreement)
 from correction.staleness import lag_factor, staleness_bounds, staleness_correct
 from correction.weights import (METHODS, CorrectionResult, correct, importance_weights,
                                 normalize_weights, rejection_mask)
@@ -22,7 +23,7 @@ __all__ = [
     "AdvantageConfig", "CorrectionConfig", "CorrectionMethod", "CorrectionResult", "IcePopConfig",
     "ISConfig", "ISLevel", "ISMode", "KLEstimator", "LagScaling", "LossAggregation", "LossConfig",
     "METHODS", "NormalizeOver", "RejectionConfig", "SeqMaskTISConfig", "StalenessConfig",
-    "TISConfig", "aggregate", "correct", "dropped_signal", "grpo_advantages", "importance_weights", "kl_penalty",
-    "lag_factor", "mismatch_metrics", "normalize_weights", "policy_loss", "rejection_mask",
-    "sampled_agreement", "sparrow_tail", "staleness_bounds", "staleness_correct", "tv_agreement",
+    "TISConfig", "aggregate", "correct", "dropped_signal", "grpo_advantages", "importance_weights",
+    "kl_penalty", "lag_factor", "mismatch_metrics", "normalize_weights", "policy_loss",
+    "rejection_mask", "sampled_agreement", "sparrow_tail", "staleness_bounds", "staleness_correct", "tv_agreement",
 ]

@@ -113,9 +113,7 @@ def dropped_signal(advantages: Tensor, mask: Tensor, keep: Tensor,
     """
     valid = as_mask(mask, mask)
     kept = as_mask(keep, valid, "keep") & valid
-    if advantages.shape != valid.shape[:1]:
-        raise ValueError(f"advantages has shape {tuple(advantages.shape)}; expected "
-                         f"{tuple(valid.shape[:1])}")
+    check_shape("advantages", advantages, valid.shape[:1])
     check_finite("advantages", advantages)
     a = advantages.detach().double().abs()[:, None]
     out = {}
