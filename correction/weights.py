@@ -127,6 +127,11 @@ def importance_weights(lr: Tensor, valid: Tensor, cfg: ISConfig,
     return bounded_weights(log_w, valid, cfg.mode, cfg.lower, cfg.upper, clamp)
 
 
+def log_bound(lower: float) -> float:
+    """log of a band's lower bound; a bound of 0 (validation allows it) rejects nothing: -inf."""
+    return math.log(lower) if lower > 0 else -math.inf
+
+
 def rejection_mask(lr: Tensor, valid: Tensor,
                    cfg: RejectionConfig) -> tuple[Tensor, Tensor, Tensor]:
     """Sparsity-aware rejection: returns (keep [B,T], rejected [B,T], vetoed [B]).
@@ -138,7 +143,7 @@ def rejection_mask(lr: Tensor, valid: Tensor,
     if not cfg.enabled:
         return valid.clone(), torch.zeros_like(valid), torch.zeros_like(valid.any(dim=1))
     level_lr = level_log_weights(lr, valid, cfg.level)   # token: lr itself; else per sequence
-    rejected = valid & ((level_lr < math.log(cfg.lower)) | (level_lr > math.log(cfg.upper)))
+    rejected = valid & ((level_lr < log_bound(cfg.lower)) | (level_lr > math.log(cfg.upper)))
     if cfg.veto_threshold > 0:
         vetoed = (valid & (lr < math.log(cfg.veto_threshold))).any(dim=1)
     else:
@@ -218,7 +223,7 @@ def method_seq_mask_tis(lr: Tensor, valid: Tensor, cfg: CorrectionConfig) -> Met
     c = cfg.seq_mask_tis
     geo = masked_sum(lr, valid, dim=1) / valid.sum(dim=1).clamp(min=1)
     has = valid.any(dim=1)
-    out = has & ((geo < math.log(c.lower)) | (geo > math.log(c.upper)))
+    out = has & ((geo < log_bound(c.lower)) | (geo > math.log(c.upper)))
     keep = valid & ~out[:, None]
     w, truncated, masked = bounded_weights(lr, keep, ISMode.TRUNCATE, 0.0, c.cap,
                                            cfg.log_ratio_clamp)

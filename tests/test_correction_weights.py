@@ -122,6 +122,18 @@ def test_rejection_band_is_inclusive_and_explicit():
     assert r.loss_mask.tolist() == [[0.0, 1.0, 1.0, 0.0]]
 
 
+def test_a_lower_bound_of_zero_rejects_nothing_below():
+    """lower = 0 passes validation, so it must run: no token (or sequence) is below it."""
+    cfg = sparse(rejection=True)
+    cfg.rejection.lower, cfg.rejection.upper = 0.0, 1e9
+    r = correct(*batch([[1e-3, 0.2, 1.0, 30.0]]), cfg)
+    assert r.loss_mask.tolist() == [[1.0, 1.0, 1.0, 1.0]]
+    cfg = CorrectionConfig(method=CorrectionMethod.SEQ_MASK_TIS,
+                           seq_mask_tis=SeqMaskTISConfig(lower=0.0, upper=1.25))
+    r = correct(*batch([[1e-3, 1e-3, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]]), cfg)
+    assert r.loss_mask.tolist() == [[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]]
+
+
 def test_veto_removes_exactly_its_sequence():
     rho = [[1.0, 1.1, 1e-5, 1.0], [1.0, 0.9, 1.05, None], [1.2, 1.0, None, None]]
     r = correct(*batch(rho), CorrectionConfig())
