@@ -1,0 +1,172 @@
+"""Which tokens the Sparse-RL rejection band and veto take out, in right and in wrong samples
+(issue 28).
+
+    python bench/mismatch.py --model .cache/models/reasoning-base --budgets 45,90 [--n 64] [--json PATH]
+
+Samples ``--n`` training prompts x ``--samples`` responses of the model's task with a sparse cache
+(``--policy``, default R-KV, at each budget; temperature 1, as the rollouts do), re-scores every
+sampled token densely (the scorer's ``dense_logprobs``), and applies the correction's own
+``rejection_mask`` (``correction.config.RejectionConfig``'s defaults: the paper's band [0.5, 1.5]
+and veto 1e-4) to rho_t = pi_dense(y_t) / pi_sparse(y_t). Each token is classed by its text:
+``digit`` (the task's facts, intermediate results and answers), ``name`` (a one-letter fact name)
+or ``other``. Per budget and outcome (the task's reward > 0 or not) it reports:
+
+* ``low_per_sample`` / ``high_per_sample``: tokens rejected below / above the band, per sample;
+* ``low_digit_share``: the share of the rejected-below tokens that are digits, beside
+  ``digit_share``, the share of digits among all sampled tokens;
+* ``with_low``: the share of samples with at least one token rejected below the band;
+* ``vetoed``: the share of samples the veto removes.
+
+A band that picks out the errors would reject more in wrong samples than in right ones. The task is
+the one the model was built for (``sft_metrics.json``, as ``bench/attention.py`` reads it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# Run as a script, bench/ leads sys.path (bench/buffer.py would shadow the buffer package).
+_HERE = str(Path(__file__).resolve().parent)
+sys.path[:] = [str(REPO)] + [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+CLASSES = ("digit", "name", "other")
+FIELDS = ("samples", "mean_tokens", "low_per_sample", "high_per_sample", "low_digit_share",
+          "digit_share", "with_low", "vetoed")
+
+
+def token_class(text: str) -> str:
+    """``digit`` (all digits), ``name`` (one letter) or ``other``, on the stripped text."""
+    t = text.strip()
+    if t.isdigit():
+        return "digit"
+    return "name" if len(t) == 1 and t.isalpha() else "other"
+
+
+def tally(right: list[bool], classes: list[list[str]], sampler_logp: list[list[float]],
+          dense_logp: list[list[float]], rejection=None) -> dict:
+    """Per outcome (``right`` / ``wrong``), the figures of the module doc for these samples:
+    sample i's tokens have classes ``classes[i]`` and log-probs ``sampler_logp[i]`` (sparse
+    sampler) / ``dense_logp[i]`` (dense re-score). ``rejection``: a ``RejectionConfig``
+    (default: the correction's defaults)."""
+    import torch
+
+    from correction.config import RejectionConfig
+    from correction.weights import log_ratio, rejection_mask
+
+    rejection = rejection or RejectionConfig()
+    n = len(right)
+    if not n == len(classes) == len(sampler_logp) == len(dense_logp):
+        raise ValueError("right, classes, sampler_logp and dense_logp: one entry per sample")
+    width = max((len(c) for c in classes), default=0)
+
+    def padded(rows: list[list[float]]):
+        return torch.tensor([r + [0.0] * (width - len(r)) for r in rows], dtype=torch.float64)
+
+    valid = torch.tensor([[t < len(c) for t in range(width)] for c in classes], dtype=torch.bool)
+    sl, dl = padded(sampler_logp), padded(dense_logp)
+    lr = log_ratio(sl, dl, valid)
+    _, rejected, vetoed = rejection_mask(lr, valid, rejection)
+    low, high = rejected & (lr < 0), rejected & (lr > 0)
+    out = {}
+    for outcome, want in (("right", True), ("wrong", False)):
+        rows = [i for i in range(n) if right[i] == want]
+        s = max(len(rows), 1)
+        low_cls = [classes[i][t] for i in rows for t in range(len(classes[i])) if low[i, t]]
+        all_cls = [c for i in rows for c in classes[i]]
+        out[outcome] = {
+            "samples": len(rows),
+            "mean_tokens": len(all_cls) / s,
+            "low_per_sample": len(low_cls) / s,
+            "high_per_sample": float(high[rows].sum()) / s if rows else 0.0,
+            "low_digit_share": low_cls.count("digit") / max(len(low_cls), 1),
+            "digit_share": all_cls.count("digit") / max(len(all_cls), 1),
+            "with_low": float(low[rows].any(dim=1).sum()) / s if rows else 0.0,
+            "vetoed": float(vetoed[rows].sum()) / s if rows else 0.0,
+        }
+    return out
+
+
+def measure(model_dir: Path, budgets: list[int], n: int = 64, samples: int = 8,
+            policy: str = "rkv", compress_every: int = 16, obs_window: int = 8,
+            max_new_tokens: int | None = None, seed: int = 1) -> list[dict]:
+    """One row per budget: ``{"budget", "right": {...}, "wrong": {...}}`` (``tally``'s)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from actors.config import KVConfig, KVPolicy
+    from actors.engine import SamplingParams
+    from actors.native.engine import NativeEngine
+    from actors.scorer import dense_logprobs
+    from bench.attention import task_of
+    from common.modeling import load_model
+
+    torch.manual_seed(seed)
+    task = task_of(model_dir, None)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = load_model(model_dir)
+    problems = task.problems("train")[:n]
+    prompts = [tok(p.prompt)["input_ids"] for p in problems for _ in range(samples)]
+    longest = max(len(tok(task.solution(p.prompt))["input_ids"]) for p in problems) + 1
+    sp = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens or longest,
+                        stop_token_ids=(tok.eos_token_id,), seed=seed)
+    rows = []
+    for budget in budgets:
+        kv = KVConfig(policy=KVPolicy(policy), budget=budget, compress_every=compress_every,
+                      obs_window=obs_window)
+        outs = NativeEngine(model, kv, batch_size=64).generate(prompts, sp)
+        resp = [list(o.response_ids) for o in outs]
+        dense = dense_logprobs(model, prompts, resp, 1.0, tok.pad_token_id or 0, 16)
+        right = [task.reward(tok.decode(r, skip_special_tokens=True),
+                             problems[i // samples].answer) > 0 for i, r in enumerate(resp)]
+        classes = [[token_class(tok.decode([t])) for t in r] for r in resp]
+        rows.append({"budget": budget, **tally(right, classes, [list(o.logprobs) for o in outs],
+                                               dense)})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = "| budget | outcome | " + " | ".join(FIELDS) + " |"
+    lines = [head, "|" + "---|" * (len(FIELDS) + 2)]
+    for r in rows:
+        for outcome in ("right", "wrong"):
+            v = r[outcome]
+            cells = [str(v[f]) if f == "samples" else f"{v[f]:.3f}" for f in FIELDS]
+            lines.append(f"| {r['budget']} | {outcome} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, required=True, help="an SFT'd base model directory")
+    ap.add_argument("--budgets", required=True, help="KV budgets in tokens, comma-separated")
+    ap.add_argument("--n", type=int, default=64, help="training prompts")
+    ap.add_argument("--samples", type=int, default=8, help="responses per prompt")
+    from actors.config import KVPolicy
+    ap.add_argument("--policy", default="rkv", choices=[p.value for p in KVPolicy if p.value != "dense"],
+                    help="eviction policy")
+    ap.add_argument("--compress-every", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="default: the longest worked solution of the prompts + 1")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = ap.parse_args(argv)
+    try:
+        budgets = [int(b) for b in args.budgets.split(",")]
+    except ValueError:
+        ap.error(f"--budgets: whole numbers, comma-separated (got {args.budgets!r})")
+    if not (args.model / "config.json").is_file():
+        ap.error(f"--model: no model at {args.model} (config.json missing)")
+    rows = measure(args.model, budgets, args.n, args.samples, args.policy, args.compress_every,
+                   max_new_tokens=args.max_new_tokens, seed=args.seed)
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps({"command": sys.argv, "rows": rows}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
