@@ -14,7 +14,8 @@ takes tokens (>= 1) or shares of the task's mean held-out sequence, prompt + gol
 Arms (``ARMS``): ``dense`` (full-cache rollouts, no correction: the reference), ``naive_sparse``
 (sparse rollouts at the budget, no correction), ``sparse_rl`` (sparse + the Sparse-RL correction),
 and ``sparse_rl_dynamic`` / ``distill_sparse`` when the config has their keys (issue 14): an arm
-whose key is absent is listed as missing in the report, never run under another name. Each (arm,
+whose key is absent is listed as missing in the report, never run under another name. ``tis``
+(truncated IS alone, ``correction.tis``) runs only when ``--arms`` names it. Each (arm,
 budget, seed) is one ``launch/train.py`` run (the dense arm trains once per seed; its rows repeat
 per budget). The sparse arms evict with ``--policy`` (default R-KV, the paper's).
 
@@ -65,6 +66,7 @@ class Arm:
     overrides: tuple[str, ...]      # key=value; "{budget}" and "{policy}" are filled in
     requires: str = ""              # a dotted config key the arm needs; absent -> reported missing
     sparse: bool = True             # trains with the budget (False: once per seed, every budget)
+    default: bool = True            # run without --arms (False: only when --arms names it)
 
 
 ARMS = (
@@ -80,6 +82,10 @@ ARMS = (
     Arm("distill_sparse", ("rollout.kv.policy={policy}", "rollout.kv.budget={budget}",
                            "correction.method=sparse_rl", "rollout.distill_sparse.enabled=true"),
         requires="rollout.distill_sparse"),
+    # a comparator, not one of the issue's arms: truncated IS alone (Yao et al. 2025), nothing
+    # rejected or vetoed: what the Sparse-RL recipe's band and veto are measured against
+    Arm("tis", ("rollout.kv.policy={policy}", "rollout.kv.budget={budget}", "correction.method=tis"),
+        default=False),
 )
 
 # --task: the preset every run starts from (None: launch/config.py's defaults)
@@ -234,7 +240,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=REPO / "runs")
     ap.add_argument("--parallel", type=int, default=1, help="runs at once (a cluster; default 1)")
     ap.add_argument("--arms", default=None,
-                    help="arms to run, comma-separated (default: all; the dense arm is the "
+                    help="arms to run, comma-separated (default: all but tis; the dense arm is the "
                          "reference of the rollout-time and KV ratios)")
     from actors.config import KVPolicy
 
@@ -266,7 +272,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     elif not (args.model / "config.json").is_file():
         ap.error(f"--model {args.model}: no model there (config.json missing)")
     names = [a.name for a in ARMS]
-    args.arms = args.arms.split(",") if args.arms else names
+    args.arms = args.arms.split(",") if args.arms else [a.name for a in ARMS if a.default]
     if not args.arms or set(args.arms) - set(names):
         ap.error(f"--arms: names from {names}")
     clashes = override_clashes(args.overrides, [a for a in ARMS if a.name in args.arms],

@@ -103,7 +103,7 @@ def test_quick_compare_runs_every_arm(tiny_model, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (out,) = tmp_path.glob("compare-*")
     result = json.loads((out / "compare.json").read_text())
-    ran = {a.name for a in ARMS} - {m["arm"] for m in result["missing"]}
+    ran = {a.name for a in ARMS if a.default} - {m["arm"] for m in result["missing"]}
     assert {"dense", "naive_sparse", "sparse_rl"} <= ran
     assert {r["arm"] for r in result["rows"]} == ran and not result["failed"]
     for row in result["rows"]:
@@ -137,3 +137,14 @@ def test_an_override_that_a_run_would_replace_is_refused_by_name(capsys):
     assert ok.overrides == ["correction.rejection.veto_threshold=0", "run.steps=7"]
     # a key only another arm sets is fine when that arm does not run
     assert parse(["--arms", "dense", "--", "rollout.kv.budget=40"]).arms == ["dense"]
+
+
+def test_the_tis_comparator_runs_only_when_named():
+    assert "tis" not in parse([]).arms
+    assert set(parse([]).arms) == {a.name for a in ARMS} - {"tis"}
+    args = parse(["--arms", "tis,naive_sparse", "--budgets", "40"])
+    jobs, missing = plan([a for a in ARMS if a.name in args.arms], args.budgets, [0], "snapkv")
+    (tis,) = [j for j in jobs if j["arm"] == "tis"]
+    assert not missing and tis["budget"] == 40
+    assert set(tis["overrides"]) == {"rollout.kv.policy=snapkv", "rollout.kv.budget=40",
+                                     "correction.method=tis"}
