@@ -28,12 +28,15 @@ COLUMNS = ("acc_dense_decode", "acc_sparse_decode", "acc_base", "acc_base_sparse
 POLICY_NAMES = {"rkv": "R-KV", "h2o": "H2O", "snapkv": "SnapKV", "streaming": "StreamingLLM"}
 
 
-def decode_accuracy(model_dir: Path, run_dir: Path, budget: int, policy: str = "rkv") -> dict:
+def decode_accuracy(model_dir: Path, run_dir: Path, budget: int, policy: str = "rkv",
+                    problems: int | None = None, sparse: bool = True) -> dict:
     """Held-out accuracy of ``model_dir`` on ``run_dir``'s evaluation problems (its task,
     ``run.eval_problems``, ``run.eval_greedy``), decoded with a dense cache and with ``policy``
     (R-KV by default) at ``budget`` (the run's other KV settings; a DistillSparse run's sparse
     decode with the adapter saved beside the model), and the mean peak KV bytes per sequence of
-    each."""
+    each. ``problems``: the first that many of a held-out split of that size instead (a synthetic
+    task's held-out split never meets its train split, whatever its size); ``sparse=False``: the
+    dense decode only (the sparse keys are None)."""
     from actors.config import KVPolicy
     from actors.rollout import RolloutActor
     from launch.config import load_config
@@ -43,6 +46,8 @@ def decode_accuracy(model_dir: Path, run_dir: Path, budget: int, policy: str = "
     cfg = load_config(["--config", str(Path(run_dir) / "config.yaml")], default=False)
     cfg.rollout.model_path = str(model_dir)
     cfg.rollout.kv.policy, cfg.rollout.kv.budget = KVPolicy(policy), int(budget)
+    if problems is not None:
+        cfg.task.n_heldout = cfg.run.eval_problems = int(problems)
     _, encoder = check_model(cfg)
     _, evals, _ = task_prompts(make_task(cfg.task), encoder, cfg.run.eval_problems)
     actor = RolloutActor(cfg.rollout, cfg.task, model_path=str(model_dir))
@@ -52,9 +57,12 @@ def decode_accuracy(model_dir: Path, run_dir: Path, budget: int, policy: str = "
 
         actor.load_weights(list(read_adapter(adapter).items()), 0)
     dense = actor.evaluate(evals["heldout"], cfg.run.eval_greedy, dense=True)
-    sparse = actor.evaluate(evals["heldout"], cfg.run.eval_greedy, dense=False)
-    return {"dense": dense["accuracy"], "sparse": sparse["accuracy"],
-            "dense_kv_bytes": dense["peak_kv_bytes"], "sparse_kv_bytes": sparse["peak_kv_bytes"]}
+    out = {"dense": dense["accuracy"], "dense_kv_bytes": dense["peak_kv_bytes"],
+           "sparse": None, "sparse_kv_bytes": None, "problems": len(evals["heldout"])}
+    if sparse:
+        sp = actor.evaluate(evals["heldout"], cfg.run.eval_greedy, dense=False)
+        out.update(sparse=sp["accuracy"], sparse_kv_bytes=sp["peak_kv_bytes"])
+    return out
 
 
 def run_stats(run_dir: Path) -> dict:

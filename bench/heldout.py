@@ -1,0 +1,136 @@
+"""Trained runs re-scored on a larger held-out set: arm means with their evaluation noise
+(issue 28).
+
+    python bench/heldout.py --group dense 'runs/compare-*/runs/dense-s*' \\
+        --group sparse_rl 'runs/compare-*/runs/sparse_rl-b90-s*' --problems 1024 [--sparse 90] \\
+        [--base .cache/models/reasoning-base] [--json PATH]
+
+A run's own evaluation scores ``run.eval_problems`` held-out problems (128 in the reasoning
+preset): at an accuracy near 0.5 one greedy evaluation then has a binomial standard error of
+sqrt(p (1 - p) / n) = 0.044, as large as the gaps between arms it is asked to rank. This bench
+decodes each run's ``final/`` model (``bench/compare_eval.decode_accuracy``, dense cache, greedy as
+the run's config says) on the first ``--problems`` problems of a held-out split of that size (a
+synthetic task's held-out split is set aside by a hash of the prompt, so it never meets the train
+split whatever its size) and reports, per group: the runs, their accuracies, mean and spread over
+runs, the binomial standard error of one run's figure (``se_run``) and of the group mean
+(``se_mean``: evaluation noise only; the spread over seeds adds the training noise), beside the
+runs' own last evaluation (``acc_own_eval``). ``--sparse B`` also decodes with the run's eviction
+policy at budget B; ``--base`` adds the base model, scored with the first run's config.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# Run as a script, bench/ leads sys.path (bench/buffer.py would shadow the buffer package).
+_HERE = str(Path(__file__).resolve().parent)
+sys.path[:] = [str(REPO)] + [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+
+def binomial_se(p: float, n: int) -> float:
+    """Standard error of an accuracy p measured on n independent problems."""
+    return math.sqrt(p * (1.0 - p) / n) if n > 0 else float("nan")
+
+
+def own_eval(run: Path) -> float | None:
+    """The run's last ``eval/accuracy`` in its ``metrics.jsonl`` (None without one)."""
+    last = None
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "eval/accuracy" in rec:
+            last = rec["eval/accuracy"]
+    return last
+
+
+def summarize(label: str, accs: list[float], problems: int, own: list | None = None) -> dict:
+    """One group's row: per-run accuracies, mean, spread, evaluation standard errors."""
+    mean = statistics.fmean(accs)
+    return {"group": label, "runs": len(accs), "accs": accs, "mean": mean,
+            "std": statistics.stdev(accs) if len(accs) > 1 else 0.0, "problems": problems,
+            "se_run": binomial_se(mean, problems),
+            "se_mean": binomial_se(mean, problems) / math.sqrt(len(accs)),
+            "acc_own_eval": own or []}
+
+
+def score_group(label: str, runs: list[Path], problems: int, sparse: int | None) -> dict:
+    from bench.compare_eval import decode_accuracy
+    from launch.config import load_config
+
+    dense, sp, own = [], [], []
+    for run in runs:
+        cfg = load_config(["--config", str(run / "config.yaml")], default=False)
+        policy = cfg.rollout.kv.policy.value if cfg.rollout.kv.policy.value != "dense" else "rkv"
+        acc = decode_accuracy(run / "final", run, sparse or cfg.rollout.kv.budget, policy,
+                              problems=problems, sparse=sparse is not None)
+        dense.append(acc["dense"])
+        sp.append(acc["sparse"])
+        own.append(own_eval(run))
+        print(f"[heldout] {label} {run.name}: dense {acc['dense']:.4f}"
+              + (f", sparse {acc['sparse']:.4f}" if sparse else ""), flush=True)
+    row = summarize(label, dense, problems, own)
+    row["runs_dirs"] = [str(r) for r in runs]
+    if sparse:
+        row["sparse"] = summarize(label, sp, problems)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| group | runs | acc (dense decode) | per run | se of one run / of the mean | "
+             "acc sparse decode | runs' own eval |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sparse = f"{r['sparse']['mean']:.3f} ± {r['sparse']['std']:.3f}" if "sparse" in r else "–"
+        own = ", ".join(f"{a:.3f}" for a in r["acc_own_eval"] if a is not None) or "–"
+        lines.append(f"| {r['group']} | {r['runs']} | {r['mean']:.3f} ± {r['std']:.3f} | "
+                     + ", ".join(f"{a:.3f}" for a in r["accs"])
+                     + f" | {r['se_run']:.3f} / {r['se_mean']:.3f} | {sparse} | {own} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--group", nargs=2, action="append", metavar=("LABEL", "GLOB"), required=True,
+                    help="a label and a glob of run directories (each with final/ and config.yaml)")
+    ap.add_argument("--problems", type=int, default=1024, help="held-out problems per model")
+    ap.add_argument("--sparse", type=int, default=None,
+                    help="also decode with each run's eviction policy at this budget")
+    ap.add_argument("--base", type=Path, default=None, help="also score this base model")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.problems < 1:
+        ap.error(f"--problems: a positive count (got {args.problems})")
+    groups = []
+    for label, pattern in args.group:
+        runs = sorted(Path(p) for p in glob.glob(pattern))
+        bad = [str(r) for r in runs if not ((r / "final").is_dir() and (r / "config.yaml").is_file())]
+        if not runs or bad:
+            ap.error(f"--group {label} {pattern!r}: " + (f"no run has final/ and config.yaml: {bad}"
+                                                         if bad else "matches nothing"))
+        groups.append((label, runs))
+    rows = [score_group(label, runs, args.problems, args.sparse) for label, runs in groups]
+    if args.base:
+        from bench.compare_eval import decode_accuracy
+        from launch.config import load_config
+
+        first = groups[0][1][0]
+        budget = load_config(["--config", str(first / "config.yaml")], default=False).rollout.kv.budget
+        acc = decode_accuracy(args.base, first, args.sparse or budget, "rkv",
+                              problems=args.problems, sparse=args.sparse is not None)
+        row = summarize("base", [acc["dense"]], args.problems)
+        if args.sparse:
+            row["sparse"] = summarize("base", [acc["sparse"]], args.problems)
+        rows.insert(0, row)
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps({"command": sys.argv, "rows": rows}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
