@@ -19,7 +19,8 @@ whose key is absent is listed as missing in the report, never run under another 
 budget, seed) is one ``launch/train.py`` run (the dense arm trains once per seed; its rows repeat
 per budget). The sparse arms evict with ``--policy`` (default R-KV, the paper's).
 
-After each run its ``final/`` model is decoded on the held-out problems twice, in this process: with
+After each run its ``final/`` model is decoded on the held-out problems (``--final-problems``; 1024
+with ``--task reasoning``) twice, in this process: with
 a dense cache (``acc_dense_decode``) and with the policy at the row's budget
 (``acc_sparse_decode``): the paper's claim that sparse training makes the model robust to sparse
 inference, measured for the dense-trained model too; the base model the same way (``acc_base``,
@@ -84,12 +85,16 @@ ARMS = (
         requires="rollout.distill_sparse"),
     # a comparator, not one of the issue's arms: truncated IS alone (Yao et al. 2025), nothing
     # rejected or vetoed: what the Sparse-RL recipe's band and veto are measured against
-    Arm("tis", ("rollout.kv.policy={policy}", "rollout.kv.budget={budget}", "correction.method=tis"),
-        default=False),
+    Arm("tis", ("rollout.kv.policy={policy}", "rollout.kv.budget={budget}",
+                "correction.method=tis"), default=False),
 )
 
 # --task: the preset every run starts from (None: launch/config.py's defaults)
 TASK_PRESETS = {"running_sum": None, "reasoning": "launch/configs/reasoning.yaml"}
+
+# The reasoning preset's runs evaluate 128 problems (binomial se ~0.044 a run, as large as the
+# gaps between arms), so its final models are decoded on more (se ~0.015; docs/RESULTS.md)
+REASONING_FINAL_PROBLEMS = 1024
 
 # --quick: the e2e tests' few-second job (tests/conftest.py SMALL_JOB), 2 steps
 QUICK = ("run.eval_problems=8", "run.prompts_per_step=4", "rollout.samples_per_prompt=4",
@@ -167,10 +172,11 @@ def train(job: dict, common: list[str], runs_dir: Path, log_dir: Path) -> dict:
 
 
 def rows_for(jobs: list[dict], budgets: list[int], model: Path, policy: str,
-             shares: dict | None = None) -> list[dict]:
-    """One row per (arm, budget, seed) with the accuracies decoded dense and sparse (``policy``);
-    ``shares``: budget -> the share of the mean sequence it was given as."""
-    base = {b: decode_accuracy(model, _any_run(jobs), b, policy) for b in budgets}
+             shares: dict | None = None, problems: int | None = None) -> list[dict]:
+    """One row per (arm, budget, seed) with the accuracies decoded dense and sparse (``policy``)
+    on ``problems`` held-out problems (None: the runs' own evaluation set); ``shares``: budget ->
+    the share of the mean sequence it was given as."""
+    base = {b: decode_accuracy(model, _any_run(jobs), b, policy, problems) for b in budgets}
     dense_stats = {j["seed"]: run_stats(Path(j["run_dir"]))
                    for j in jobs if j["arm"] == "dense" and j["run_dir"]}
     target = {seed: st["curve"][-1][1] for seed, st in dense_stats.items() if st["curve"]}
@@ -182,7 +188,7 @@ def rows_for(jobs: list[dict], budgets: list[int], model: Path, policy: str,
         run = Path(job["run_dir"])
         stats = run_stats(run)
         for budget in ([job["budget"]] if job["budget"] else budgets):
-            acc = decode_accuracy(run / "final", run, budget, policy)
+            acc = decode_accuracy(run / "final", run, budget, policy, problems)
             kv = 1.0 if job["arm"] == "dense" else acc["sparse_kv_bytes"] / acc["dense_kv_bytes"]
             ref = dense_roll.get(job["seed"])
             wall, roll = time_to(stats, target.get(job["seed"]))
@@ -191,6 +197,7 @@ def rows_for(jobs: list[dict], budgets: list[int], model: Path, policy: str,
                 "budget_share": (shares or {}).get(budget),
                 "to_dense_acc_wall_s": wall, "to_dense_acc_rollout_s": roll,
                 "acc_dense_decode": acc["dense"], "acc_sparse_decode": acc["sparse"],
+                "acc_problems": acc["problems"],
                 "acc_base": base[budget]["dense"], "acc_base_sparse": base[budget]["sparse"],
                 **{k: v for k, v in stats.items() if k not in ("rollout_s", "seconds")},
                 "kv_bytes_vs_dense": kv,
@@ -248,6 +255,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                     choices=[p.value for p in KVPolicy if p is not KVPolicy.dense],
                     help="the sparse arms' eviction policy, in training and in the sparse decode "
                          "(rollout.kv.policy; default rkv, the paper's)")
+    ap.add_argument("--final-problems", type=int, default=None,
+                    help="held-out problems the final models are decoded on (default: the runs' "
+                         f"own evaluation set; --task reasoning: {REASONING_FINAL_PROBLEMS})")
     ap.add_argument("overrides", nargs="*", help="key=value for every run (after --)")
     args = ap.parse_args(argv)
     quick = args.quick
@@ -258,6 +268,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     except ValueError:
         ap.error(f"--budgets: tokens (integers >= 1) or shares (0 < x < 1), got {args.budgets!r}")
     args.seeds = [int(s) for s in (args.seeds or ("0" if quick else "0,1,2")).split(",")]
+    if args.final_problems is None and args.task == "reasoning" and not quick:
+        args.final_problems = REASONING_FINAL_PROBLEMS
+    if args.final_problems is not None and args.final_problems < 1:
+        ap.error(f"--final-problems: a positive count (got {args.final_problems})")
     if args.steps is None and quick:
         args.steps = 2
     if args.eval_every is None:
@@ -304,7 +318,8 @@ def main(argv: list[str]) -> int:
     with ThreadPoolExecutor(args.parallel) as pool:
         jobs = list(pool.map(lambda j: train(j, common, out / "runs", out / "logs"), jobs))
     finished = any(j["run_dir"] for j in jobs)
-    rows = rows_for(jobs, args.budgets, args.model, args.policy, shares) if finished else []
+    rows = (rows_for(jobs, args.budgets, args.model, args.policy, shares, args.final_problems)
+            if finished else [])
     failed = [{"arm": j["arm"], "budget": j["budget"], "seed": j["seed"], "log": j["log"]}
               for j in jobs if not j["run_dir"]]
     wall = round(time.time() - t0, 1)

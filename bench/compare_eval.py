@@ -128,10 +128,13 @@ def markdown(result: dict) -> str:
             *(cell(c) for c in ("kv_bytes_vs_dense", "rollout_kv_vs_dense",
                                 "rollout_s_vs_dense")), reach]) + " |")
     policy = POLICY_NAMES.get(result.get("policy", "rkv"), result.get("policy"))
-    lines.append("\nacc: held-out accuracy of the trained model decoded with a dense cache / with "
-                 f"{policy} at the budget (the dense arm's one model is decoded at every budget). "
-                 "KV vs dense: peak KV bytes per sequence of the arm's rollout policy over a dense "
-                 "cache; rollout KV: the training rollouts' own, over the dense arm's. agreement, k3, "
+    counts = sorted({r["acc_problems"] for r in result.get("rows", []) if r.get("acc_problems")})
+    on = f" on {', '.join(map(str, counts))} held-out problems" if counts else ""
+    lines.append(f"\nacc: held-out accuracy{on} of the trained model decoded with a dense cache / "
+                 f"with {policy} at the budget (the dense arm's one model is decoded at every "
+                 "budget). KV vs dense: peak KV bytes per sequence of the arm's rollout policy over "
+                 "a dense cache; rollout KV: the training rollouts' own, over the dense arm's. "
+                 "agreement, k3, "
                  "rejected, vetoed: means over training steps; signal dropped: the share of "
                  "|advantage| x tokens that rejection and veto take out of the loss, for rows "
                  "with a positive / negative advantage (step mean). To dense acc: runs whose "

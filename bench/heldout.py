@@ -85,7 +85,8 @@ def table(rows: list[dict]) -> str:
     lines = ["| group | runs | acc (dense decode) | per run | se of one run / of the mean | "
              "acc sparse decode | runs' own eval |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        sparse = f"{r['sparse']['mean']:.3f} ± {r['sparse']['std']:.3f}" if "sparse" in r else "–"
+        sp = r.get("sparse")
+        sparse = f"{sp['mean']:.3f} ± {sp['std']:.3f}" if sp else "–"
         own = ", ".join(f"{a:.3f}" for a in r["acc_own_eval"] if a is not None) or "–"
         lines.append(f"| {r['group']} | {r['runs']} | {r['mean']:.3f} ± {r['std']:.3f} | "
                      + ", ".join(f"{a:.3f}" for a in r["accs"])
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     groups = []
     for label, pattern in args.group:
         runs = sorted(Path(p) for p in glob.glob(pattern))
-        bad = [str(r) for r in runs if not ((r / "final").is_dir() and (r / "config.yaml").is_file())]
+        bad = [str(r) for r in runs
+               if not ((r / "final").is_dir() and (r / "config.yaml").is_file())]
         if not runs or bad:
             ap.error(f"--group {label} {pattern!r}: " + (f"no run has final/ and config.yaml: {bad}"
                                                          if bad else "matches nothing"))
@@ -119,7 +121,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         from launch.config import load_config
 
         first = groups[0][1][0]
-        budget = load_config(["--config", str(first / "config.yaml")], default=False).rollout.kv.budget
+        cfg = load_config(["--config", str(first / "config.yaml")], default=False)
+        budget = cfg.rollout.kv.budget
         acc = decode_accuracy(args.base, first, args.sparse or budget, "rkv",
                               problems=args.problems, sparse=args.sparse is not None)
         row = summarize("base", [acc["dense"]], args.problems)

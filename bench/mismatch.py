@@ -1,7 +1,8 @@
 """Which tokens the Sparse-RL rejection band and veto take out, in right and in wrong samples
 (issue 28).
 
-    python bench/mismatch.py --model .cache/models/reasoning-base --budgets 45,90 [--n 64] [--json PATH]
+    python bench/mismatch.py --model .cache/models/reasoning-base --budgets 45,90 [--n 64] \\
+        [--json PATH]
 
 Samples ``--n`` training prompts x ``--samples`` responses of the model's task with a sparse cache
 (``--policy``, default R-KV, at each budget; temperature 1, as the rollouts do), re-scores every
@@ -146,7 +147,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--n", type=int, default=64, help="training prompts")
     ap.add_argument("--samples", type=int, default=8, help="responses per prompt")
     from actors.config import KVPolicy
-    ap.add_argument("--policy", default="rkv", choices=[p.value for p in KVPolicy if p.value != "dense"],
+    ap.add_argument("--policy", default="rkv",
+                    choices=[p.value for p in KVPolicy if p.value != "dense"],
                     help="eviction policy")
     ap.add_argument("--compress-every", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=None,

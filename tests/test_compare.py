@@ -17,6 +17,7 @@ from bench.compare_eval import aggregate, markdown
 
 REPO = Path(__file__).resolve().parent.parent
 ROW_KEYS = {"arm", "budget", "seed", "acc_dense_decode", "acc_sparse_decode", "acc_base",
+            "acc_problems",
             "reward_last", "agreement_p5", "frac_vetoed", "kv_bytes_vs_dense", "rollout_s_vs_dense",
             "budget_share", "to_dense_acc_wall_s", "to_dense_acc_rollout_s", "signal_dropped_pos",
             "signal_dropped_neg"}
@@ -148,3 +149,19 @@ def test_the_tis_comparator_runs_only_when_named():
     assert not missing and tis["budget"] == 40
     assert set(tis["overrides"]) == {"rollout.kv.policy=snapkv", "rollout.kv.budget=40",
                                      "correction.method=tis"}
+
+
+def test_final_models_are_scored_on_more_problems_for_the_reasoning_task(capsys):
+    """128 problems rank the reasoning arms no better than noise: its final decode takes 1024."""
+    from bench.compare import REASONING_FINAL_PROBLEMS
+    from bench.compare_eval import markdown
+
+    assert parse(["--task", "reasoning"]).final_problems == REASONING_FINAL_PROBLEMS
+    assert parse([]).final_problems is None                 # running_sum: the runs' own set
+    assert parse(["--task", "reasoning", "--final-problems", "256"]).final_problems == 256
+    with pytest.raises(SystemExit):
+        parse(["--final-problems", "0"])
+    assert "--final-problems" in capsys.readouterr().err
+    result = {"command": "c", "wall_s": 1, "budgets": [40], "seeds": [0], "summary": [],
+              "missing": [], "failed": [], "rows": [{"acc_problems": 1024}]}
+    assert "held-out accuracy on 1024 held-out problems" in markdown(result)
