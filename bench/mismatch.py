@@ -16,7 +16,10 @@ or ``other``. Per budget and outcome (the task's reward > 0 or not) it reports:
 * ``low_digit_share``: the share of the rejected-below tokens that are digits, beside
   ``digit_share``, the share of digits among all sampled tokens;
 * ``with_low``: the share of samples with at least one token rejected below the band;
-* ``vetoed``: the share of samples the veto removes.
+* ``vetoed``: the share of samples the veto removes;
+* ``digit_weight`` / ``other_weight``: the mean importance weight min(rho_t, 1.5) (the correction's
+  ``importance_weights`` at ``ISConfig``'s defaults, before normalisation, rejection and veto) of
+  the digit tokens / of every other token: how much of each kind's signal the weighting keeps.
 
 A band that picks out the errors would reject more in wrong samples than in right ones. The task is
 the one the model was built for (``sft_metrics.json``, as ``bench/attention.py`` reads it).
@@ -36,7 +39,7 @@ sys.path[:] = [str(REPO)] + [p for p in sys.path if os.path.abspath(p or os.curd
 
 CLASSES = ("digit", "name", "other")
 FIELDS = ("samples", "mean_tokens", "low_per_sample", "high_per_sample", "low_digit_share",
-          "digit_share", "with_low", "vetoed")
+          "digit_share", "with_low", "vetoed", "digit_weight", "other_weight")
 
 
 def token_class(text: str) -> str:
@@ -47,6 +50,12 @@ def token_class(text: str) -> str:
     return "name" if len(t) == 1 and t.isalpha() else "other"
 
 
+def _mean(values, where) -> float:
+    """Mean of ``values`` where ``where`` holds (0.0 where it never does)."""
+    n = int(where.sum())
+    return float(values[where].sum()) / n if n else 0.0
+
+
 def tally(right: list[bool], classes: list[list[str]], sampler_logp: list[list[float]],
           dense_logp: list[list[float]], rejection=None) -> dict:
     """Per outcome (``right`` / ``wrong``), the figures of the module doc for these samples:
@@ -55,8 +64,8 @@ def tally(right: list[bool], classes: list[list[str]], sampler_logp: list[list[f
     (default: the correction's defaults)."""
     import torch
 
-    from correction.config import RejectionConfig
-    from correction.weights import log_ratio, rejection_mask
+    from correction.config import ISConfig, RejectionConfig
+    from correction.weights import importance_weights, log_ratio, rejection_mask
 
     rejection = rejection or RejectionConfig()
     n = len(right)
@@ -72,6 +81,9 @@ def tally(right: list[bool], classes: list[list[str]], sampler_logp: list[list[f
     lr = log_ratio(sl, dl, valid)
     _, rejected, vetoed = rejection_mask(lr, valid, rejection)
     low, high = rejected & (lr < 0), rejected & (lr > 0)
+    weights = importance_weights(lr, valid, ISConfig())[0]
+    digit = torch.tensor([[t < len(c) and c[t] == "digit" for t in range(width)] for c in classes],
+                         dtype=torch.bool)
     out = {}
     for outcome, want in (("right", True), ("wrong", False)):
         rows = [i for i in range(n) if right[i] == want]
@@ -87,6 +99,8 @@ def tally(right: list[bool], classes: list[list[str]], sampler_logp: list[list[f
             "digit_share": all_cls.count("digit") / max(len(all_cls), 1),
             "with_low": float(low[rows].any(dim=1).sum()) / s if rows else 0.0,
             "vetoed": float(vetoed[rows].sum()) / s if rows else 0.0,
+            "digit_weight": _mean(weights[rows], digit[rows]),
+            "other_weight": _mean(weights[rows], valid[rows] & ~digit[rows]),
         }
     return out
 

@@ -25,10 +25,12 @@ def test_tally_counts_by_hand():
     out = tally(right, classes, sampler, dense)
     assert out["right"] == pytest.approx({
         "samples": 1, "mean_tokens": 3.0, "low_per_sample": 1.0, "high_per_sample": 1.0,
-        "low_digit_share": 1.0, "digit_share": 2 / 3, "with_low": 1.0, "vetoed": 0.0})
+        "low_digit_share": 1.0, "digit_share": 2 / 3, "with_low": 1.0, "vetoed": 0.0,
+        "digit_weight": (0.25 + 1.5) / 2, "other_weight": 1.0})      # min(rho, 1.5)
     assert out["wrong"] == pytest.approx({
         "samples": 2, "mean_tokens": 1.5, "low_per_sample": 0.5, "high_per_sample": 0.0,
-        "low_digit_share": 1.0, "digit_share": 1 / 3, "with_low": 0.5, "vetoed": 0.5})
+        "low_digit_share": 1.0, "digit_share": 1 / 3, "with_low": 0.5, "vetoed": 0.5,
+        "digit_weight": 1e-5, "other_weight": 1.0})
 
 
 def test_tally_refuses_ragged_input():
@@ -49,6 +51,7 @@ def test_mismatch_bench_end_to_end(tiny_model, tmp_path):
             assert set(v) == set(FIELDS)
             for f in ("low_digit_share", "digit_share", "with_low", "vetoed"):
                 assert 0.0 <= v[f] <= 1.0
+            assert 0.0 <= v["digit_weight"] <= 1.5 and 0.0 <= v["other_weight"] <= 1.5
             assert v["low_per_sample"] >= v["with_low"]
 
 
