@@ -81,6 +81,20 @@ def score_group(label: str, runs: list[Path], problems: int, sparse: int | None)
     return row
 
 
+def base_row(model: Path, run: Path, problems: int, sparse: int | None) -> dict:
+    """The base model's row, scored with ``run``'s config (its budget unless ``sparse``)."""
+    from bench.compare_eval import decode_accuracy
+    from launch.config import load_config
+
+    budget = sparse or load_config(["--config", str(run / "config.yaml")],
+                                   default=False).rollout.kv.budget
+    acc = decode_accuracy(model, run, budget, "rkv", problems=problems, sparse=sparse is not None)
+    row = summarize("base", [acc["dense"]], problems)
+    if sparse:
+        row["sparse"] = summarize("base", [acc["sparse"]], problems)
+    return row
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| group | runs | acc (dense decode) | per run | se of one run / of the mean | "
              "acc sparse decode | runs' own eval |", "|---|---|---|---|---|---|---|"]
@@ -112,28 +126,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         bad = [str(r) for r in runs
                if not ((r / "final").is_dir() and (r / "config.yaml").is_file())]
         if not runs or bad:
-            ap.error(f"--group {label} {pattern!r}: " + (f"no run has final/ and config.yaml: {bad}"
+            ap.error(f"--group {label} {pattern!r}: " + (f"these lack final/ or config.yaml: {bad}"
                                                          if bad else "matches nothing"))
         groups.append((label, runs))
     rows = [score_group(label, runs, args.problems, args.sparse) for label, runs in groups]
     if args.base:
-        from bench.compare_eval import decode_accuracy
-        from launch.config import load_config
-
-        first = groups[0][1][0]
-        cfg = load_config(["--config", str(first / "config.yaml")], default=False)
-        budget = cfg.rollout.kv.budget
-        acc = decode_accuracy(args.base, first, args.sparse or budget, "rkv",
-                              problems=args.problems, sparse=args.sparse is not None)
-        row = summarize("base", [acc["dense"]], args.problems)
-        if args.sparse:
-            row["sparse"] = summarize("base", [acc["sparse"]], args.problems)
-        rows.insert(0, row)
+        rows.insert(0, base_row(args.base, groups[0][1][0], args.problems, args.sparse))
     print(table(rows))
     if args.json:
-        args.json.write_text(json.dumps({"command": sys.argv, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"command": sys.argv, "problems": args.problems,
+                                         "sparse_budget": args.sparse, "rows": rows}, indent=1))
     return rows
-
 
 if __name__ == "__main__":
     main()
