@@ -110,31 +110,30 @@ def measure(model_dir: Path, budgets: list[int], n: int = 64, samples: int = 8,
             max_new_tokens: int | None = None, seed: int = 1) -> list[dict]:
     """One row per budget: ``{"budget", "right": {...}, "wrong": {...}}`` (``tally``'s)."""
     import torch
-    from transformers import AutoTokenizer
-
     from actors.config import KVConfig, KVPolicy
     from actors.engine import SamplingParams
     from actors.native.engine import NativeEngine
     from actors.scorer import dense_logprobs
     from bench.attention import task_of
-    from common.modeling import load_model
+    from common.modeling import load_model, load_tokenizer
+    from common.tokens import eos_token_ids, pad_token_id
 
     torch.manual_seed(seed)
     task = task_of(model_dir, None)
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = load_tokenizer(model_dir)
     model = load_model(model_dir)
     problems = task.problems("train")[:n]
     prompts = [tok(p.prompt)["input_ids"] for p in problems for _ in range(samples)]
     longest = max(len(tok(task.solution(p.prompt))["input_ids"]) for p in problems) + 1
     sp = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens or longest,
-                        stop_token_ids=(tok.eos_token_id,), seed=seed)
+                        stop_token_ids=eos_token_ids(tok), seed=seed)
     rows = []
     for budget in budgets:
         kv = KVConfig(policy=KVPolicy(policy), budget=budget, compress_every=compress_every,
                       obs_window=obs_window)
         outs = NativeEngine(model, kv, batch_size=64).generate(prompts, sp)
         resp = [list(o.response_ids) for o in outs]
-        dense = dense_logprobs(model, prompts, resp, 1.0, tok.pad_token_id or 0, 16)
+        dense = dense_logprobs(model, prompts, resp, 1.0, pad_token_id(tok), 16)
         right = [task.reward(tok.decode(r, skip_special_tokens=True),
                              problems[i // samples].answer) > 0 for i, r in enumerate(resp)]
         classes = [[token_class(tok.decode([t])) for t in r] for r in resp]
