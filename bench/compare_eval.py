@@ -81,7 +81,8 @@ def run_stats(run_dir: Path) -> dict:
     return out
 
 
-def _spread(values: list[float]) -> tuple[float, float]:
+def spread(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
@@ -98,7 +99,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
         for c in COLUMNS:
             vals = [r[c] for r in rs if r.get(c) is not None]
             if vals:
-                entry[c], entry[c + "_std"] = _spread(vals)
+                entry[c], entry[c + "_std"] = spread(vals)
         out.append(entry)
     return out
 
@@ -174,7 +175,7 @@ def plot(rows: list[dict], path: Path) -> Path:
         ax = axes[1][col]
         for k, (key, label) in enumerate((("acc_dense_decode", "dense decode"),
                                           ("acc_sparse_decode", f"sparse {b} decode"))):
-            stats = [_spread([r[key] for r in sel if r["arm"] == a]) for a in arms]
+            stats = [spread([r[key] for r in sel if r["arm"] == a]) for a in arms]
             ax.bar([i + 0.4 * k for i in range(len(arms))], [m for m, _ in stats], 0.4,
                    yerr=[s for _, s in stats], label=label)
         ax.set_xticks([i + 0.2 for i in range(len(arms))], arms, rotation=20, fontsize=8)

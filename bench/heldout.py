@@ -24,7 +24,6 @@ import glob
 import json
 import math
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -39,28 +38,20 @@ def binomial_se(p: float, n: int) -> float:
     return math.sqrt(p * (1.0 - p) / n) if n > 0 else float("nan")
 
 
-def own_eval(run: Path) -> float | None:
-    """The run's last ``eval/accuracy`` in its ``metrics.jsonl`` (None without one)."""
-    last = None
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "eval/accuracy" in rec:
-            last = rec["eval/accuracy"]
-    return last
-
-
 def summarize(label: str, accs: list[float], problems: int, own: list | None = None) -> dict:
     """One group's row: per-run accuracies, mean, spread, evaluation standard errors."""
-    mean = statistics.fmean(accs)
-    return {"group": label, "runs": len(accs), "accs": accs, "mean": mean,
-            "std": statistics.stdev(accs) if len(accs) > 1 else 0.0, "problems": problems,
+    from bench.compare_eval import spread
+
+    mean, std = spread(accs)
+    return {"group": label, "runs": len(accs), "accs": accs, "mean": mean, "std": std,
+            "problems": problems,
             "se_run": binomial_se(mean, problems),
             "se_mean": binomial_se(mean, problems) / math.sqrt(len(accs)),
             "acc_own_eval": own or []}
 
 
 def score_group(label: str, runs: list[Path], problems: int, sparse: int | None) -> dict:
-    from bench.compare_eval import decode_accuracy
+    from bench.compare_eval import decode_accuracy, run_stats
     from launch.config import load_config
 
     dense, sp, own = [], [], []
@@ -71,7 +62,8 @@ def score_group(label: str, runs: list[Path], problems: int, sparse: int | None)
                               problems=problems, sparse=sparse is not None)
         dense.append(acc["dense"])
         sp.append(acc["sparse"])
-        own.append(own_eval(run))
+        curve = run_stats(run)["curve"]                 # the run's own evaluations
+        own.append(curve[-1][1] if curve else None)
         print(f"[heldout] {label} {run.name}: dense {acc['dense']:.4f}"
               + (f", sparse {acc['sparse']:.4f}" if sparse else ""), flush=True)
     row = summarize(label, dense, problems, own)

@@ -37,7 +37,6 @@ REPO = Path(__file__).resolve().parent.parent
 _HERE = str(Path(__file__).resolve().parent)
 sys.path[:] = [str(REPO)] + [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
-CLASSES = ("digit", "name", "other")
 FIELDS = ("samples", "mean_tokens", "low_per_sample", "high_per_sample", "low_digit_share",
           "digit_share", "with_low", "vetoed", "digit_weight", "other_weight")
 
@@ -154,12 +153,13 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    from actors.config import KVPolicy
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, required=True, help="an SFT'd base model directory")
     ap.add_argument("--budgets", required=True, help="KV budgets in tokens, comma-separated")
     ap.add_argument("--n", type=int, default=64, help="training prompts")
     ap.add_argument("--samples", type=int, default=8, help="responses per prompt")
-    from actors.config import KVPolicy
     ap.add_argument("--policy", default="rkv",
                     choices=[p.value for p in KVPolicy if p.value != "dense"],
                     help="eviction policy")

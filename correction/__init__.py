@@ -25,5 +25,6 @@ __all__ = [
     "METHODS", "NormalizeOver", "RejectionConfig", "SeqMaskTISConfig", "StalenessConfig",
     "TISConfig", "aggregate", "correct", "dropped_signal", "grpo_advantages", "importance_weights",
     "kl_penalty", "lag_factor", "mismatch_metrics", "normalize_weights", "policy_loss",
-    "rejection_mask", "sampled_agreement", "sparrow_tail", "staleness_bounds", "staleness_correct", "tv_agreement",
+    "rejection_mask", "sampled_agreement", "sparrow_tail", "staleness_bounds", "staleness_correct",
+    "tv_agreement",
 ]
