@@ -58,3 +58,6 @@ class Engine(Protocol):
 
     def weight_sums(self) -> dict[str, float]: ...   # sum(|w|) per HF name (checksum's terms)
 
+    # K and V bytes of one token over all layers: a dense cache of n tokens holds n times this
+    def kv_bytes_per_token(self) -> int: ...
+

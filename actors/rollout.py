@@ -194,6 +194,11 @@ class RolloutActor(ReceivesWeights):
                 rows[-1]["kv_evictions"] = evicted[j]
         return rows
 
+    def kv_bytes_per_token(self) -> int:
+        """K and V bytes of one token in the engine's cache: what a dense cache holds per token,
+        the reference of a run's rollout KV (``launch.metrics.batch_metrics``)."""
+        return int(self.engine.kv_bytes_per_token())
+
     # ---- KV budget schedule (issue 14) -------------------------------------------------------
     def _probe(self, outs, params, batch: int | None) -> dict[int, list[float]]:
         """Probe rows (``rollout.kv.probe_share``): exact alpha per response token at the schedule

@@ -139,7 +139,7 @@ def native_kv_bytes(model, gen_len: int, prompt_len: int, policy: str, frac: flo
     its own accounting (rows * capacity * bytes per token; what ``allocated_kv_bytes`` reports when
     all rows are admitted at once, i.e. ``batch_size`` = number of prompts)."""
     eng, _ = native_engine(model, gen_len, policy, frac, every, batch)
-    return batch * eng._capacity(prompt_len, gen_len) * eng.bytes_per_token
+    return batch * eng._capacity(prompt_len, gen_len) * eng.kv_bytes_per_token()
 
 
 def memory_matched_batch(model, gen_len: int, prompt_len: int, policy: str, frac: float,

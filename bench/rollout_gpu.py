@@ -260,7 +260,7 @@ def plan(args, model, name: str) -> list[tuple[dict, object]]:
         add(1 if pol in BAR_POLICIES else 4, lambda q=pol: native_row(model, ps, g, q, args),
             **sparse(pol))
     if "equal" in args.rows:
-        bpt = NativeEngine(model, KVConfig(), batch_size=1).bytes_per_token
+        bpt = NativeEngine(model, KVConfig(), batch_size=1).kv_bytes_per_token()
         eb, limit = equal_batch(args, bpt)
         eps = prompts(eb, p, vocab, args.seed)
         for pol in args.policies:

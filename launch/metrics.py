@@ -9,10 +9,14 @@ import time
 from pathlib import Path
 
 
-def batch_metrics(batch, learner_version: int, bin_tokens: int = 16) -> dict:
+def batch_metrics(batch, learner_version: int, bin_tokens: int = 16,
+                  kv_bytes_per_token: int | None = None) -> dict:
     """Reward, lengths, kept ratio, KV bytes and staleness of a training batch; checks log-prob
     lengths. ``rollout/kv_bytes_per_seq``: the mean over rows of the most KV bytes the engine
-    stored for the sequence (all layers, K and V).
+    stored for the sequence (all layers, K and V). ``rollout/kv_vs_dense`` (given the engine's
+    ``kv_bytes_per_token``): that mean over what a dense cache of the same rows holds, every
+    prompt and response token (sum of peaks / sum of lengths x bytes per token); a dense run reads
+    just under 1 (its last sampled token is never cached).
     ``time/rollout_gen_s``: engine seconds that generated the batch, summed over rollout actors
     (each row carries its share of its engine call); ``rollout/tokens_per_s``: response tokens per
     engine second, i.e. one actor's generation throughput. (The driver's wait for a batch is no
@@ -35,7 +39,18 @@ def batch_metrics(batch, learner_version: int, bin_tokens: int = 16) -> dict:
     kv = pc.mean(batch.column("peak_kv_bytes")).as_py()  # rows of older segments: null
     if kv is not None:
         out["rollout/kv_bytes_per_seq"] = float(kv)
+        if kv_bytes_per_token:
+            out["rollout/kv_vs_dense"] = kv_vs_dense(batch, kv_bytes_per_token)
     return out | kv_schedule_metrics(batch, bin_tokens)
+
+
+def kv_vs_dense(batch, kv_bytes_per_token: int) -> float:
+    """Peak KV bytes of the rows that carry them over a dense cache of those rows' tokens."""
+    import pyarrow.compute as pc
+
+    rows = batch.filter(pc.is_valid(batch.column("peak_kv_bytes")))
+    tokens = pc.sum(pc.add(rows.column("prompt_len"), rows.column("response_len"))).as_py()
+    return float(pc.sum(rows.column("peak_kv_bytes")).as_py()) / (tokens * kv_bytes_per_token)
 
 
 def kv_schedule_metrics(batch, width: int) -> dict:
@@ -100,6 +115,7 @@ class MetricsLog:
         if run is not None and run.tensorboard:
             print(f"[tensorboard] tensorboard --logdir {run_dir}", flush=True)
         self._bar = None
+        self._kv: list[tuple[float, float]] = []  # (bytes per sequence, vs dense) per step
 
     def steps(self, first: int, last: int):
         """``range(first, last + 1)``, behind a progress bar when ``progress_on``."""
@@ -121,6 +137,8 @@ class MetricsLog:
 
     def write(self, record: dict, show: tuple[str, ...] = ()) -> None:
         record = {"time_s": round(time.time() - self.t0, 2), **record}
+        if "rollout/kv_vs_dense" in record:
+            self._kv.append((record["rollout/kv_bytes_per_seq"], record["rollout/kv_vs_dense"]))
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
         self.sinks.write(record)
@@ -139,7 +157,12 @@ class MetricsLog:
 
     def summary(self, summary: dict) -> None:
         """The run's ``summary.json``, its closing lines on stdout (the last one is
-        ``held-out accuracy: A -> B``), and close the logs."""
+        ``held-out accuracy: A -> B``), and close the logs. The rollout KV against dense (means
+        over the steps this process logged) goes in beside the accuracy."""
+        if self._kv:
+            summary = {**summary,
+                       "rollout_kv_bytes_per_seq": sum(b for b, _ in self._kv) / len(self._kv),
+                       "rollout_kv_vs_dense": sum(r for _, r in self._kv) / len(self._kv)}
         (self.path.parent / "summary.json").write_text(json.dumps(summary, indent=2))
         self.close()
         print(f"steps: {summary['steps']} (policy version {summary['version']})")
@@ -147,6 +170,10 @@ class MetricsLog:
         for name, acc in summary.get("eval_after", {}).items():
             if name != "eval/accuracy":
                 print(f"{name}: {acc:.3f}")
+        if self._kv:
+            print(f"rollout KV: {summary['rollout_kv_bytes_per_seq'] / 1024:.0f} KiB per sequence "
+                  f"at peak, {summary['rollout_kv_vs_dense']:.2f} of a dense cache (mean over "
+                  f"{len(self._kv)} steps)")
         print(f"held-out accuracy: {summary['accuracy_before']:.2f} -> "
               f"{summary['accuracy_after']:.2f}")
 

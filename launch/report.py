@@ -39,6 +39,7 @@ TABLE = [("reward (last)", "reward", "last"),
          ("signal dropped A<0 (mean)", "correction/signal_dropped_neg", "mean"),
          ("KV kept (mean)", "kept_ratio", "mean"),
          ("KV bytes/seq (mean)", "rollout/kv_bytes_per_seq", "mean"),
+         ("KV vs dense (mean)", "rollout/kv_vs_dense", "mean"),
          ("tokens/s (mean)", "rollout/tokens_per_s", "mean"),
          ("staleness (mean)", "batch/staleness_mean", "mean")]
 

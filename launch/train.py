@@ -69,6 +69,7 @@ def main(argv: list[str]) -> dict:
 
     pools = build_pools(cfg, str(run_dir))  # waits for every actor: cluster.placement_timeout_s
     store = buffer(pools)  # the replay buffer actor, re-created from its segments if it dies
+    kv_bpt = ray.get(pools.rollout[0].kv_bytes_per_token.remote())  # a dense cache, per token
     faults = Faults(run_dir, cfg.run.max_consecutive_skips, pools.faults)  # + skips, failed rewards
 
     # 4. Resuming: learners (weights, optimiser, RNG), buffer rows and data position come back.
@@ -132,7 +133,7 @@ def main(argv: list[str]) -> dict:
 
         # 6f. Metrics: reward, mismatch and correction statistics, timings.
         record = {"step": step, "version": version, **kv_plan,
-                  **batch_metrics(batch, version, cfg.rollout.kv.bin_tokens),
+                  **batch_metrics(batch, version, cfg.rollout.kv.bin_tokens, kv_bpt),
                   "time/rollout_wait_s": t_roll, "time/step_s": time.time() - t0, **sync,
                   **buffer_depth(pools), **faults.metrics(),
                   **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}

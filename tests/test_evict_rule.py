@@ -74,7 +74,7 @@ def test_rule_matches_native_engine(model, kv):
         cache = CacheLength(BudgetTable(kv), len(p))
         peak = max([cache.at(len(p)).length] +
                    [cache.at(t).length + 1 for t in range(len(p), total - 1)])
-        assert o.peak_kv_bytes == peak * eng.bytes_per_token
+        assert o.peak_kv_bytes == peak * eng.kv_bytes_per_token()
 
 
 @pytest.mark.parametrize("kv, prompt_len", [

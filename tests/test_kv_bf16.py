@@ -87,7 +87,7 @@ def test_dense_bf16_logprobs_near_float32_teacher_forcing(bf16, fp32):
         want = recompute_logprobs(fp32, p, o.response_ids, [], 0.9, sparse=False)
         assert (want.double() - got).abs().max() < BF16_TOL
     # the cache is bf16: half the bytes per token of the float32 engine
-    assert eng.bytes_per_token * 2 == NativeEngine(fp32).bytes_per_token
+    assert eng.kv_bytes_per_token() * 2 == NativeEngine(fp32).kv_bytes_per_token()
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -96,7 +96,7 @@ def test_sparse_bf16_logprobs_are_the_sparse_policys(bf16, fp32, policy):
                   pool_kernel=3)
     eng = NativeEngine(bf16, kv, trace=True)
     outs = eng.generate(PROMPTS, SAMPLED)
-    assert eng.last_stats["allocated_kv_bytes"] == 3 * 17 * eng.bytes_per_token   # rows * cap
+    assert eng.last_stats["allocated_kv_bytes"] == 3 * 17 * eng.kv_bytes_per_token()   # rows * cap
     for prompt, o in zip(PROMPTS, outs):
         assert o.trace and o.kept_ratio < 1.0    # every sequence outgrew the budget
         rec = torch.tensor(o.logprobs)

@@ -81,7 +81,7 @@ def test_bins_and_recorded_budgets(model, policy):
         for after, kept in o.trace:
             assert kept.shape[-1] == at(after + 1)        # writing position after + 1 next
             seen_budgets.add(kept.shape[-1])
-        assert o.peak_kv_bytes <= (max(budgets) + every) * eng.bytes_per_token
+        assert o.peak_kv_bytes <= (max(budgets) + every) * eng.kv_bytes_per_token()
     assert seen_budgets >= {8, 12}                          # both bins' budgets were used
 
 

@@ -165,3 +165,44 @@ def test_batch_metrics_rollout_throughput_from_engine_time():
     assert m["batch/response_tokens"] == 8 and m["time/rollout_gen_s"] == pytest.approx(0.5)
     assert m["rollout/tokens_per_s"] == pytest.approx(16.0)
     assert m["reward"] == 0.5 and m["batch/staleness_max"] == 0
+
+
+def test_rollout_kv_vs_dense_counts_every_token_of_the_rows_that_carry_a_peak():
+    import pyarrow as pa
+
+    from launch.metrics import batch_metrics, kv_vs_dense
+
+    batch = pa.table({"reward": [1.0, 0.0, 0.0], "response_len": [3, 5, 7],
+                      "prompt_len": [2, 3, 4], "kept_ratio": [0.5, 1.0, 1.0],
+                      "sampler_logprobs": [[0.0] * 3, [0.0] * 5, [0.0] * 7],
+                      "old_logprobs": [[0.0] * 3, [0.0] * 5, [0.0] * 7],
+                      "policy_version": [1, 1, 1], "gen_time_s": [0.1, 0.1, 0.1],
+                      "peak_kv_bytes": pa.array([40, 60, None], pa.int64())})
+    # rows 0 and 1 carry a peak: (40 + 60) bytes over (2 + 3 + 3 + 5) tokens x 10 bytes
+    assert kv_vs_dense(batch, 10) == pytest.approx(100 / 130)
+    m = batch_metrics(batch, 2, kv_bytes_per_token=10)
+    assert m["rollout/kv_vs_dense"] == pytest.approx(100 / 130)
+    assert "rollout/kv_vs_dense" not in batch_metrics(batch, 2)   # no bytes per token given
+
+
+def test_summary_prints_the_rollout_kv_beside_the_accuracy(tmp_path, capsys):
+    log = MetricsLog(tmp_path, RunConfig(tensorboard=False, progress=False))
+    log.write({"step": 1, "rollout/kv_bytes_per_seq": 2048.0, "rollout/kv_vs_dense": 0.25})
+    log.write({"step": 2, "rollout/kv_bytes_per_seq": 4096.0, "rollout/kv_vs_dense": 0.35})
+    log.write({"step": 2, "eval/accuracy": 0.5})                 # records without KV: not counted
+    log.summary({"steps": 2, "version": 2, "time_s": 1.0, "accuracy_before": 0.25,
+                 "accuracy_after": 0.5, "eval_after": {"eval/accuracy": 0.5}})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2] == "rollout KV: 3 KiB per sequence at peak, 0.30 of a dense cache (mean over 2 steps)"
+    assert lines[-1] == "held-out accuracy: 0.25 -> 0.50"
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["rollout_kv_vs_dense"] == pytest.approx(0.30)
+    assert saved["rollout_kv_bytes_per_seq"] == 3072.0
+
+
+def test_summary_without_rollout_kv_prints_no_kv_line(tmp_path, capsys):
+    log = MetricsLog(tmp_path, RunConfig(tensorboard=False, progress=False))
+    log.summary({"steps": 0, "version": 0, "time_s": 1.0, "accuracy_before": 0.25,
+                 "accuracy_after": 0.25, "eval_after": {"eval/accuracy": 0.25}})
+    assert "rollout KV" not in capsys.readouterr().out
+    assert "rollout_kv_vs_dense" not in json.loads((tmp_path / "summary.json").read_text())

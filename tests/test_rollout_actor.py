@@ -65,6 +65,27 @@ def test_evaluate_and_dense_budget(model_dir):
     assert actor.rollout(PROBLEMS[:1], 0)[0]["kv_budget"] == 0
 
 
+def test_dense_rows_hold_every_token_but_the_last_sampled(model_dir):
+    """The reference of a run's rollout KV (``rollout/kv_vs_dense``): a dense cache holds each
+    prompt and response token once, K and V in every layer, except the last token sampled."""
+    import pyarrow as pa
+
+    from launch.metrics import kv_vs_dense
+
+    actor = make_actor(model_dir)
+    cfg = actor.engine.model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    bpt = actor.kv_bytes_per_token()
+    assert bpt == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4  # float32
+    rows = actor.rollout(PROBLEMS, version=0)
+    for r in rows:
+        assert r["peak_kv_bytes"] == (r["prompt_len"] + r["response_len"] - 1) * bpt
+    keys = ("peak_kv_bytes", "prompt_len", "response_len")
+    ratio = kv_vs_dense(pa.table({k: [r[k] for r in rows] for k in keys}), bpt)
+    tokens = sum(r["prompt_len"] + r["response_len"] for r in rows)
+    assert ratio == pytest.approx((tokens - len(rows)) / tokens)
+
+
 def test_weights_via_load_and_weight_sync(model_dir, tmp_path):
     from cluster.weight_sync import WeightSender, free_port
     from common.modeling import load_model

@@ -53,6 +53,11 @@ def test_train_runs_end_to_end(tiny_model, tmp_path, mode):
     assert [r["correction/staleness_split"] for r in train] == [float(mode == "async")] * steps
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["version"] == steps
+    # the rollout KV against a dense cache, per step and as the summary's mean, beside the accuracy
+    kv = [r["rollout/kv_vs_dense"] for r in train]
+    assert all(0.0 < x < 1.0 for x in kv)
+    assert summary["rollout_kv_vs_dense"] == pytest.approx(sum(kv) / steps)
+    assert proc.stdout.strip().splitlines()[-2].startswith("rollout KV: ")
     assert (run_dir / "final" / "config.json").is_file()
     assert (run_dir / "config.yaml").is_file()
     # observability: every numeric metric in TensorBoard, the logdir line, no bar off a terminal

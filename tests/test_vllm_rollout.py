@@ -77,6 +77,7 @@ def test_rows_same_shape_as_native(model_dir):
         assert a["response_len"] == len(a["response_ids"]) == len(a["sampler_logprobs"])
     assert len({tuple(r["response_ids"]) for r in rv[:3]}) > 1      # G samples differ
     assert v.weight_spec() == n.weight_spec()
+    assert v.kv_bytes_per_token() == n.kv_bytes_per_token()   # one dense reference for both
     hf = load_model(model_dir)
     named = [(k, p.detach() * 1.5) for k, p in hf.named_parameters()]
     v.load_weights(named, 4)

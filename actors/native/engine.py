@@ -233,9 +233,9 @@ class NativeEngine:
             logits = self.stepper(self.dec, pool, rope, st.live, int(st.n.max()),
                                   self.policy == KVPolicy.h2o)
             st.advance()
-        outs = st.outputs(self.bytes_per_token, self._bins_used)
+        outs = st.outputs(self.kv_bytes_per_token(), self._bins_used)
         self.last_stats = {"allocated_kv_bytes": pool.allocated_bytes(),
-                           "peak_kv_bytes": st.peak_total * self.bytes_per_token,
+                           "peak_kv_bytes": st.peak_total * self.kv_bytes_per_token(),
                            "tokens": sum(len(o.response_ids) for o in outs),
                            "attended_slots": st.attended / max(1, st.decode_rows),
                            "time_s": time.perf_counter() - t0}
@@ -278,9 +278,8 @@ class NativeEngine:
             self.decode = tokenizer_decoder(path)
         return StopMatcher(stops, self.decode)
 
-    @property
-    def bytes_per_token(self) -> int:
-        """K and V bytes of one token in every layer."""
+    def kv_bytes_per_token(self) -> int:
+        """K and V bytes of one token in every layer (``Engine.kv_bytes_per_token``)."""
         d = self.dec
         return 2 * d.n_layers * d.n_kv * d.head_dim * torch.finfo(d.dtype).bits // 8
 
