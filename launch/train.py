@@ -168,21 +168,7 @@ def main(argv: list[str]) -> dict:
     return summary
 
 
-if __name__ == "__main__":
-    from common.errors import ConfigError, DataError, TrainingFault
-    from launch.recovery import BufferLost
+if __name__ == "__main__":  # exit codes: launch/cli.py (0 done, 2 bad input, 3 fault, 143 SIGTERM)
+    from launch.cli import exit_code
 
-    if {"-h", "--help"} & set(sys.argv[1:]):  # usage + every key, from the config dataclasses
-        from launch.helptext import usage
-        sys.exit(print(usage(__doc__)))  # exit 0
-    try:
-        sys.exit(143 if main(sys.argv[1:]).get("stopped") else 0)
-    except (ConfigError, DataError) as err:  # bad input: one clear line, no traceback
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    except TrainingFault as err:  # poisoned batches in a row, or non-finite weights: named
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(3)
-    except BufferLost as err:  # a lost buffer that cannot be re-created: names the resume= to run
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+    sys.exit(exit_code(main, sys.argv[1:], __doc__))
