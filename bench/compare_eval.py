@@ -135,9 +135,10 @@ def markdown(result: dict) -> str:
                  f"with {policy} at the budget (the dense arm's one model is decoded at every "
                  "budget). KV vs dense: peak KV bytes per sequence of the arm's rollout policy "
                  "over a dense cache; rollout KV: the training rollouts' own, over the dense "
-                 "arm's. agreement, k3, rejected, vetoed: means over training steps; signal dropped: the share of "
-                 "|advantage| x tokens that rejection and veto take out of the loss, for rows "
-                 "with a positive / negative advantage (step mean). To dense acc: runs whose "
+                 "arm's. agreement, k3, rejected, vetoed: means over training steps; signal "
+                 "dropped: the share of |advantage| x tokens that rejection and veto take out "
+                 "of the loss, for rows with a positive / negative advantage (step mean). To "
+                 "dense acc: runs whose "
                  "evaluation reached the same-seed dense run's final accuracy, and the training "
                  "and rollout seconds to get there (mean over those runs). A budget in brackets: "
                  "the share of the mean sequence it was given as.")

@@ -130,5 +130,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                          "sparse_budget": args.sparse, "rows": rows}, indent=1))
     return rows
 
+
 if __name__ == "__main__":
     main()

@@ -193,7 +193,8 @@ def test_summary_prints_the_rollout_kv_beside_the_accuracy(tmp_path, capsys):
     log.summary({"steps": 2, "version": 2, "time_s": 1.0, "accuracy_before": 0.25,
                  "accuracy_after": 0.5, "eval_after": {"eval/accuracy": 0.5}})
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-2] == "rollout KV: 3 KiB per sequence at peak, 0.30 of a dense cache (mean over 2 steps)"
+    assert lines[-2] == ("rollout KV: 3 KiB per sequence at peak, 0.30 of a dense cache "
+                         "(mean over 2 steps)")
     assert lines[-1] == "held-out accuracy: 0.25 -> 0.50"
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["rollout_kv_vs_dense"] == pytest.approx(0.30)
