@@ -15,7 +15,6 @@ def prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list
 
 def kv_bytes_per_token(model) -> int:
     """K and V bytes of one token in every layer of an HF model, in its parameters' dtype."""
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    elem = next(model.parameters()).element_size()
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem
+    from common.modeling import kv_bytes_per_token as per_token
+
+    return per_token(model.config, next(model.parameters()).dtype)

@@ -31,6 +31,15 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
     return model
 
 
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """K and V bytes of one token over all layers of an HF decoder ``config`` cached in ``dtype``: a
+    dense cache of n tokens holds n times this (``Engine.kv_bytes_per_token``; every engine and
+    bench computes it here)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    bits = torch.finfo(dtype).bits
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * bits // 8
+
+
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 

@@ -280,8 +280,9 @@ class NativeEngine:
 
     def kv_bytes_per_token(self) -> int:
         """K and V bytes of one token in every layer (``Engine.kv_bytes_per_token``)."""
-        d = self.dec
-        return 2 * d.n_layers * d.n_kv * d.head_dim * torch.finfo(d.dtype).bits // 8
+        from common.modeling import kv_bytes_per_token
+
+        return kv_bytes_per_token(self.model.config, self.dec.dtype)
 
     def _capacity(self, lmax: int, max_new: int) -> int:
         if self.policy == KVPolicy.dense:

@@ -138,10 +138,9 @@ class VLLMEngine:
 
     def kv_bytes_per_token(self) -> int:
         """K and V bytes of one token over all layers (from the HF config)."""
-        cfg = self.model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        elem = torch.finfo(self.dtype).bits // 8
-        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem
+        from common.modeling import kv_bytes_per_token
+
+        return kv_bytes_per_token(self.model.config, self.dtype)
 
     def _pool_bytes(self, max_model_len: int, block_size: int | None) -> int:
         """Default KV pool: every one of ``batch_size`` sequences at its longest (``max_model_len``
