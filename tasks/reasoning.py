@@ -55,7 +55,9 @@ the prompt's hash), so the answer and the SFT target are reproducible.
 from __future__ import annotations
 
 import random
+import re
 import zlib
+from dataclasses import dataclass
 
 from tasks.synthetic import LETTERS, SyntheticTask
 
@@ -67,6 +69,21 @@ MAX_FACTS = 8
 MAX_NOTES = 400
 MAX_RESPONSE_TOKENS = 4096
 _CALIBRATION_PROBLEMS = 64
+# A step line as the worked response writes it (``then r+c=6+8=14.``): op, letter, r, op, operand.
+STEP_LINE = re.compile(r"then r([+-])([a-z])=(\d+)([+-])(\d+)=")
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """One operand a response reads by its letter (a ``then`` line after the first step).
+
+    Offsets count characters of prompt + response, i.e. token positions under the task's
+    one-token-per-character tokenizer."""
+    letter: str
+    far: bool                  # the letter is a far fact: its value is stated in the prompt only
+    at: int                    # the operand's first digit as written
+    right: bool                # the digits written are the fact's value
+    sources: tuple[int, ...]   # every earlier digit stating the fact (``k=v``, prompt or response)
 
 
 def apply(op: str, x: int, y: int) -> int:
@@ -160,6 +177,27 @@ class ReasoningTask(SyntheticTask):
                 lines.append(f"({n}) r={r}, left {left}, {recall}. {body}")
         lines.append(f"answer={r}")
         return "\n".join(lines)
+
+    def lookups(self, prompt: str, response: str) -> list[Lookup]:
+        """The operand lookups of a (generated) response to ``prompt``, in order: every ``then``
+        line whose letter is one of the prompt's facts, whether it wrote the right value, and
+        where that value was stated before it (the prompt's ``k=v`` and every ``k=v`` of the
+        response before the line). What a compressed cache must keep for the step to be right."""
+        facts, order, _ = parse_prompt(prompt)
+        value = dict(facts)
+        far = set(order[len(order) - self.far_facts:]) if self.far_facts else set()
+        out = []
+        for m in STEP_LINE.finditer(response):
+            k = m.group(2)
+            if k not in value:
+                continue
+            stated = rf"(?<![a-z]){k}=(\d)"
+            sources = [x.start(1) for x in re.finditer(stated, prompt)]
+            sources += [len(prompt) + x.start(1)
+                        for x in re.finditer(stated, response[:m.start()])]
+            out.append(Lookup(letter=k, far=k in far, at=len(prompt) + m.start(5),
+                              right=int(m.group(5)) == value[k], sources=tuple(sources)))
+        return out
 
     def drill(self, rng: random.Random, lines: int = 48) -> list[tuple[str, str]]:
         """Arithmetic drill for building a base model (not a problem of the task): ``lines``
