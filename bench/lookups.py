@@ -50,6 +50,8 @@ def visible(ev, query: int, sources) -> "torch.Tensor":
 def tally(task, prompts: list[str], responses: list[str], evs: list | None = None) -> dict:
     """Per lookup kind: ``n``, ``share_right``; with the responses' evictions ``evs``, per
     outcome ``right`` / ``wrong``: ``n``, ``heads_seeing`` (per layer) and ``lost``."""
+    import torch
+
     rows = {k: [] for k in KINDS}
     for i, (prompt, response) in enumerate(zip(prompts, responses)):
         for lk in task.lookups(prompt, response):
@@ -66,8 +68,6 @@ def tally(task, prompts: list[str], responses: list[str], evs: list | None = Non
             vis = [v.float() for r, v in items if r == want]
             cell = {"n": len(vis), "heads_seeing": None, "lost": None}
             if vis:
-                import torch
-
                 v = torch.stack(vis)                                   # [n, L, H]
                 cell["heads_seeing"] = [round(x, 4) for x in v.mean(dim=(0, 2)).tolist()]
                 cell["lost"] = float((v.flatten(1).amax(dim=1) == 0).float().mean())

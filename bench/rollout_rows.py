@@ -15,6 +15,6 @@ def prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list
 
 def kv_bytes_per_token(model) -> int:
     """K and V bytes of one token in every layer of an HF model, in its parameters' dtype."""
-    from common.modeling import kv_bytes_per_token as per_token
+    from common.modeling import hf_kv_bytes_per_token
 
-    return per_token(model.config, next(model.parameters()).dtype)
+    return hf_kv_bytes_per_token(model.config, next(model.parameters()).dtype)

@@ -31,13 +31,17 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
     return model
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """K and V bytes of one token over all layers of an HF decoder ``config`` cached in ``dtype``: a
-    dense cache of n tokens holds n times this (``Engine.kv_bytes_per_token``; every engine and
-    bench computes it here)."""
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K and V bytes of one token over ``layers`` layers of ``kv_heads`` heads of ``head_dim``
+    cached in ``dtype``: a dense cache of n tokens holds n times this
+    (``Engine.kv_bytes_per_token``; every engine and bench computes it here)."""
+    return 2 * layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def hf_kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """``kv_bytes_per_token`` of an HF decoder ``config`` (``head_dim``, else hidden / heads)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    bits = torch.finfo(dtype).bits
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * bits // 8
+    return kv_bytes_per_token(config.num_hidden_layers, config.num_key_value_heads, head_dim, dtype)
 
 
 def load_tokenizer(path: str | Path):

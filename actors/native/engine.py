@@ -233,9 +233,10 @@ class NativeEngine:
             logits = self.stepper(self.dec, pool, rope, st.live, int(st.n.max()),
                                   self.policy == KVPolicy.h2o)
             st.advance()
-        outs = st.outputs(self.kv_bytes_per_token(), self._bins_used)
+        bpt = self.kv_bytes_per_token()
+        outs = st.outputs(bpt, self._bins_used)
         self.last_stats = {"allocated_kv_bytes": pool.allocated_bytes(),
-                           "peak_kv_bytes": st.peak_total * self.kv_bytes_per_token(),
+                           "peak_kv_bytes": st.peak_total * bpt,
                            "tokens": sum(len(o.response_ids) for o in outs),
                            "attended_slots": st.attended / max(1, st.decode_rows),
                            "time_s": time.perf_counter() - t0}
@@ -279,10 +280,12 @@ class NativeEngine:
         return StopMatcher(stops, self.decode)
 
     def kv_bytes_per_token(self) -> int:
-        """K and V bytes of one token in every layer (``Engine.kv_bytes_per_token``)."""
+        """K and V bytes of one token in every layer of this engine's cache
+        (``Engine.kv_bytes_per_token``)."""
         from common.modeling import kv_bytes_per_token
 
-        return kv_bytes_per_token(self.model.config, self.dec.dtype)
+        d = self.dec
+        return kv_bytes_per_token(d.n_layers, d.n_kv, d.head_dim, d.dtype)
 
     def _capacity(self, lmax: int, max_new: int) -> int:
         if self.policy == KVPolicy.dense:

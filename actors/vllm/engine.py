@@ -138,9 +138,9 @@ class VLLMEngine:
 
     def kv_bytes_per_token(self) -> int:
         """K and V bytes of one token over all layers (from the HF config)."""
-        from common.modeling import kv_bytes_per_token
+        from common.modeling import hf_kv_bytes_per_token
 
-        return kv_bytes_per_token(self.model.config, self.dtype)
+        return hf_kv_bytes_per_token(self.model.config, self.dtype)
 
     def _pool_bytes(self, max_model_len: int, block_size: int | None) -> int:
         """Default KV pool: every one of ``batch_size`` sequences at its longest (``max_model_len``
