@@ -16,6 +16,19 @@ def evaluate_sets(rollout_actors: list, sets: dict[str, list], greedy: bool,
             for name, problems in sets.items()}
 
 
+def accuracy_before(state: dict, rollout_actors: list, sets: dict[str, list], greedy: bool,
+                    log) -> float:
+    """Step 5: held-out accuracy before RL, logged (``log``: ``launch.metrics.MetricsLog``) and
+    printed as step 0. A resumed run returns its checkpoint's ``accuracy_before`` and evaluates
+    nothing, so its before/after pair stays the first run's."""
+    if state.get("accuracy_before") is not None:
+        return state["accuracy_before"]
+    before = evaluate_sets(rollout_actors, sets, greedy, log.progress)
+    print(f"[eval] step 0: {before} ({len(sets['heldout'])} held-out problems)")
+    log.write({"step": 0, **before})
+    return before["eval/accuracy"]
+
+
 def evaluate(rollout_actors: list, problems: list, greedy: bool, *, dense: bool = True,
              progress: bool = False, desc: str = "eval") -> float:
     """Held-out accuracy over all actors (weighted by how many problems each scored); decoded

@@ -94,6 +94,11 @@ def buffer_depth(pools) -> dict:
             "buffer/fill_fraction": st["fill_fraction"]}
 
 
+# What a step prints on stdout every run.log_every steps (every key goes to metrics.jsonl).
+STEP_COLUMNS = ("step", "reward", "response_len", "kept_ratio", "loss", "eval/accuracy",
+                "time/step_s")
+
+
 class MetricsLog:
     """One JSON object per line in ``run_dir/metrics.jsonl`` and a short line on stdout; which
     samples each step trained on, and at which version, in ``run_dir/trained_samples.jsonl``.

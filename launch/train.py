@@ -55,8 +55,8 @@ def main(argv: list[str]) -> dict:
     from buffer.tensors import to_tensors
     from cluster.pools import broadcast_weights, build_pools, connect_weight_sync, on_learners
     from launch.faults import Faults
-    from launch.evaluate import evaluate_sets
-    from launch.metrics import MetricsLog, batch_metrics, buffer_depth
+    from launch.evaluate import accuracy_before, evaluate_sets
+    from launch.metrics import STEP_COLUMNS, MetricsLog, batch_metrics, buffer_depth
     from launch.recovery import buffer  # a lost buffer actor is re-created, the call repeated
     from launch.resize import apply_requested
     from launch.rollouts import PromptSampler, fill_rollouts, gather_rollouts, land_rollouts
@@ -81,13 +81,8 @@ def main(argv: list[str]) -> dict:
     log.write({"step": state["step"], "version": version, **sync, **overlong,
                "resumed_from": str(ckpt or "")})
 
-    # 5. Held-out accuracy before RL (a resumed run keeps the first run's).
-    acc_before = state.get("accuracy_before")
-    if acc_before is None:
-        before = evaluate_sets(pools.rollout, evals, cfg.run.eval_greedy, log.progress)
-        acc_before = before["eval/accuracy"]
-        print(f"[eval] step 0: {before} ({len(evals['heldout'])} held-out problems)")
-        log.write({"step": 0, **before})
+    # 5. Held-out accuracy before RL, logged as step 0 (a resumed run keeps the first run's).
+    acc_before = accuracy_before(state, pools.rollout, evals, cfg.run.eval_greedy, log)
 
     # 6. RL steps. sync: generate, then train. async: the next rollouts start as soon as the current
     # batch is in, overlapping scoring and the learner step; with run.rollouts_ahead=s, s batches
@@ -139,8 +134,7 @@ def main(argv: list[str]) -> dict:
                   **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
         if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < cfg.run.steps:
             record.update(evaluate_sets(pools.rollout, evals, cfg.run.eval_greedy, log.progress))
-        show = ("step", "reward", "response_len", "kept_ratio", "loss", "eval/accuracy", "time/step_s")
-        log.write(record, show=show if step % cfg.run.log_every == 0 else ())
+        log.write(record, show=STEP_COLUMNS if step % cfg.run.log_every == 0 else ())
         log.trained(step, version, trained)
 
         # 6g. Checkpoint (every N steps, after the last, on SIGTERM). Rollouts in flight land in
