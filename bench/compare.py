@@ -43,6 +43,7 @@ non-zero unless every available arm ran and reported.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -59,6 +60,14 @@ _HERE = str(Path(__file__).resolve().parent)
 sys.path[:] = [str(REPO)] + [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 from bench.compare_eval import aggregate, decode_accuracy, markdown, plot, run_stats  # noqa: E402
+
+# The project modules this driver and bench/compare_eval import inside functions (the final
+# decode, the reports). A comparison runs for hours: main imports them at its start, so an edit to
+# the tree meanwhile cannot leave the driver holding two versions of the code (one such edit once
+# stopped a run's final decode on an ImportError). tests/test_compare.py checks the list is whole.
+LATE_IMPORTS = ("actors.config", "actors.rollout", "common.lora", "common.modeling",
+                "launch.config", "launch.make_base_model", "launch.preflight", "launch.report",
+                "tasks")
 
 
 @dataclass(frozen=True)
@@ -299,6 +308,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
+    for name in LATE_IMPORTS:
+        importlib.import_module(name)
     t0 = time.time()
     out = args.out / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
     (out / "logs").mkdir(parents=True)

@@ -12,6 +12,7 @@ import pytest
 from conftest import train_env
 from PIL import Image
 
+from bench import compare
 from bench.compare import ARMS, has_key, parse, plan, resolve_budgets, time_to
 from bench.compare_eval import aggregate, markdown
 
@@ -165,3 +166,25 @@ def test_final_models_are_scored_on_more_problems_for_the_reasoning_task(capsys)
     result = {"command": "c", "wall_s": 1, "budgets": [40], "seeds": [0], "summary": [],
               "missing": [], "failed": [], "rows": [{"acc_problems": 1024}]}
     assert "held-out accuracy on 1024 held-out problems" in markdown(result)
+
+
+def test_every_project_module_the_driver_imports_late_is_imported_at_its_start():
+    """compare.main imports compare.LATE_IMPORTS first; every function-level import of a project
+    module in bench/compare.py and bench/compare_eval.py must be among them."""
+    import ast
+    import importlib
+
+    repo = Path(__file__).resolve().parent.parent
+    late = set()
+    for script in ("bench/compare.py", "bench/compare_eval.py"):
+        tree = ast.parse((repo / script).read_text())
+        for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    late.add(node.module)
+                elif isinstance(node, ast.Import):
+                    late.update(a.name for a in node.names)
+    ours = {m for m in late if (repo / m.split(".")[0] / "__init__.py").exists()}
+    assert ours and ours <= set(compare.LATE_IMPORTS), sorted(ours - set(compare.LATE_IMPORTS))
+    for name in compare.LATE_IMPORTS:
+        importlib.import_module(name)
