@@ -99,6 +99,29 @@ def test_step_modes_resolve_by_device():
         StepRunner("fast")
 
 
+def test_captured_graphs_belong_to_one_pool_table_and_weights(model):
+    """The CUDA graphs are kept only for the pool, rope table and weights they were captured on,
+    held weakly: a pool allocated after the old one is freed (which may get its ``id``) is a new
+    owner, and so is a weight tensor at another address."""
+    import weakref
+
+    from actors.native.kvcache import KVPool
+
+    eng = NativeEngine(model, kv("dense"), batch_size=2, step="eager")
+    runner, dec, rope = StepRunner("graphs"), eng.dec, eng._rope_table(8)
+    make = lambda: KVPool(dec.n_layers, 2, dec.n_kv, dec.n_heads, dec.head_dim, 16, dec.dtype)  # noqa: E731
+    pool = make()
+    assert not runner._captured_for(dec, pool, rope)                # nothing captured yet
+    runner.owner = (weakref.ref(pool), weakref.ref(rope), runner._weight_ptrs(dec))
+    assert runner._captured_for(dec, pool, rope)
+    assert not runner._captured_for(dec, make(), rope)              # another pool, same shape
+    del pool
+    assert not runner._captured_for(dec, make(), rope)              # the old one freed
+    pool = make()
+    runner.owner = (weakref.ref(pool), weakref.ref(rope), (0, 0))   # weights moved since
+    assert not runner._captured_for(dec, pool, rope)
+
+
 @pytest.mark.parametrize("batch_size", [8, 2])
 def test_a_stop_read_one_step_late_is_rolled_back_exactly(model, batch_size):
     """The sampled tokens are read one step late (overlapped with the next step), so a row that

@@ -117,6 +117,12 @@ def test_cuda_graph_steps_equal_eager_steps(tiny, policy):
     eager.load_weights([], 1)
     graphs.load_weights([], 1)
     same(eager.generate(prompts, params), graphs.generate(prompts, params))
+    # a call of another length gets a new slot pool: the old graphs and their memory pool go,
+    # and the next captures (an internal assert in the allocator, seen on an H200, when they
+    # reused the freed graphs' pool) give eager's tokens; then back to the first length
+    longer = SamplingParams(max_new_tokens=40, temperature=0.9, seed=3, stop_token_ids=(7, 11))
+    same(eager.generate(prompts, longer), graphs.generate(prompts, longer))
+    same(eager.generate(prompts, params), graphs.generate(prompts, params))
 
 
 def test_probe_replay_and_agreement_on_cuda(tiny):

@@ -20,6 +20,8 @@ counts by arithmetic, and with ``s`` fixed (the pool's capacity) every call has 
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from actors.native.model import decode_attend
@@ -75,6 +77,7 @@ class StepRunner:
         self.compiled = None
         self.graphs: dict = {}
         self.mempool = None
+        self.owner = None            # (pool, rope table) weak refs, weight pointers
 
     def resolve(self, device: torch.device) -> str:
         """The mode used on ``device``: ``auto`` is CUDA graphs on CUDA, eager elsewhere."""
@@ -101,15 +104,31 @@ class StepRunner:
         return self._replay(dec, pool, rope, rows, span, h2o)[:live]
 
     def _replay(self, dec, pool, rope, rows: int, span: int, h2o: bool) -> torch.Tensor:
-        key = (id(pool), id(rope), dec.qkv_w[0][0].data_ptr(), dec.lm_head.weight.data_ptr(),
-               rows, span, h2o)
+        if not self._captured_for(dec, pool, rope):
+            # a new pool, table or weights: the old graphs hold dead addresses. Their memory pool
+            # goes with them: once its last graph is freed, the allocator keeps it (use count 0)
+            # until its blocks are released, and capturing into it again is an internal assert
+            self.graphs.clear()
+            self.mempool = None
+            self.owner = (weakref.ref(pool), weakref.ref(rope), self._weight_ptrs(dec))
+        key = (rows, span, h2o)
         if key not in self.graphs:
-            if any(k[:4] != key[:4] for k in self.graphs):    # a new pool, table or weights:
-                self.graphs.clear()                             # old graphs hold dead addresses
             self.graphs[key] = self._capture(dec, pool, rope, rows, span, h2o)
         graph, out = self.graphs[key]
         graph.replay()
         return out
+
+    @staticmethod
+    def _weight_ptrs(dec) -> tuple[int, int]:
+        return dec.qkv_w[0][0].data_ptr(), dec.lm_head.weight.data_ptr()
+
+    def _captured_for(self, dec, pool, rope) -> bool:
+        """Whether the graphs were captured on this pool, table and weights. Weak references, not
+        ``id``: a new pool allocated right after the old one is freed often gets its ``id``."""
+        if self.owner is None:
+            return False
+        pool_ref, rope_ref, ptrs = self.owner
+        return pool_ref() is pool and rope_ref() is rope and ptrs == self._weight_ptrs(dec)
 
     def _capture(self, dec, pool, rope, rows: int, span: int, h2o: bool):
         """Capture one step for ``rows`` rows. The warm-up runs the step for real, so the row
