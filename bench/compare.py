@@ -43,6 +43,7 @@ non-zero unless every available arm ran and reported.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import json
 import os
@@ -319,6 +320,8 @@ def main(argv: list[str]) -> int:
               "run.checkpoint_every=0", *(QUICK if args.quick else ()), *args.overrides]
     if args.build_model:
         ensure_model(args.task, args.model)
+    base = {"path": str(args.model), "sha256": weights_digest(args.model)}
+    print(f"[compare] base {base['path']}: weights sha256 {base['sha256']}", flush=True)
     args.budgets, shares = resolve_budgets(args.budgets, common)
     if args.steps is not None:
         common.append(f"run.steps={args.steps}")
@@ -336,7 +339,7 @@ def main(argv: list[str]) -> int:
     wall = round(time.time() - t0, 1)
     command = "python bench/compare.py " + " ".join(argv)
     result = {"command": command, "wall_s": wall, "budgets": args.budgets, "seeds": args.seeds,
-              "policy": args.policy, "task": args.task, "budget_shares": shares,
+              "policy": args.policy, "task": args.task, "budget_shares": shares, "base": base,
               "rows": rows, "summary": aggregate(rows), "missing": missing, "failed": failed}
     (out / "compare.json").write_text(json.dumps(result, indent=2))
     (out / "compare.md").write_text(markdown(result))
@@ -360,6 +363,22 @@ def ensure_model(task: str, model: Path) -> None:
     from launch.make_base_model import build, parse_args
 
     build(parse_args(["--task", task, "--out", str(model)]))
+
+
+def weights_digest(model: Path) -> str:
+    """sha256 (16 hex digits) of ``model``'s weight files, in name order. Runs compare only on
+    the same base, and rebuilding one with the same command and seed need not give the same
+    weights (it did not on another machine and commit: docs/RESULTS.md), so the report names it."""
+    files = sorted(model.glob("*.safetensors")) or sorted(model.glob("*.bin"))
+    if not files:
+        raise SystemExit(f"[compare] {model}: no *.safetensors or *.bin weight files")
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
 
 
 def mean_sequence(common: list[str]) -> float:

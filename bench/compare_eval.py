@@ -110,7 +110,9 @@ def markdown(result: dict) -> str:
             "signal dropped A>0 / A<0", "KV vs dense", "rollout KV vs dense", "rollout s vs dense",
             "to dense acc: runs, train s, rollout s"]
     lines = [f"# sparse-rl comparison\n\n`{result['command']}`: {result['wall_s']:.0f} s; budgets "
-             f"{result['budgets']} tokens, seeds {result['seeds']}. Mean ± std over seeds.\n",
+             f"{result['budgets']} tokens, seeds {result['seeds']}. Mean ± std over seeds."
+             + (f" Base `{result['base']['path']}`, weights sha256 `{result['base']['sha256']}`."
+                if result.get("base") else "") + "\n",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in result["summary"]:
         def cell(c, e=e):

@@ -13,7 +13,7 @@ from conftest import train_env
 from PIL import Image
 
 from bench import compare
-from bench.compare import ARMS, has_key, parse, plan, resolve_budgets, time_to
+from bench.compare import ARMS, has_key, parse, plan, resolve_budgets, time_to, weights_digest
 from bench.compare_eval import aggregate, markdown
 
 REPO = Path(__file__).resolve().parent.parent
@@ -120,6 +120,8 @@ def test_quick_compare_runs_every_arm(tiny_model, tmp_path):
     assert by_arm["naive_sparse"]["signal_dropped_neg"] == by_arm["dense"]["signal_dropped_pos"] == 0
     md = (out / "compare.md").read_text()
     assert all(f"| {arm} | 16 |" in md for arm in ran)
+    assert result["base"] == {"path": str(tiny_model), "sha256": weights_digest(tiny_model)}
+    assert f"weights sha256 `{result['base']['sha256']}`" in md
     assert all(f"missing arm `{m['arm']}`" in md for m in result["missing"])
     titles = json.loads(Image.open(out / "compare.png").info["Description"])["panels"]
     assert any("held-out accuracy" in t for t in titles)
@@ -188,3 +190,17 @@ def test_every_project_module_the_driver_imports_late_is_imported_at_its_start()
     assert ours and ours <= set(compare.LATE_IMPORTS), sorted(ours - set(compare.LATE_IMPORTS))
     for name in compare.LATE_IMPORTS:
         importlib.import_module(name)
+
+
+def test_the_base_digest_follows_the_weights_and_names_a_directory_without_them(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 100)
+    (tmp_path / "config.json").write_text("{}")
+    first = weights_digest(tmp_path)
+    assert len(first) == 16 and weights_digest(tmp_path) == first
+    (tmp_path / "config.json").write_text('{"a": 1}')              # not a weight file
+    assert weights_digest(tmp_path) == first
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 99 + b"\x01")
+    assert weights_digest(tmp_path) != first
+    with pytest.raises(SystemExit, match="no \\*.safetensors"):
+        weights_digest(tmp_path / "missing")
+
