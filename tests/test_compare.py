@@ -203,4 +203,3 @@ def test_the_base_digest_follows_the_weights_and_names_a_directory_without_them(
     assert weights_digest(tmp_path) != first
     with pytest.raises(SystemExit, match="no \\*.safetensors"):
         weights_digest(tmp_path / "missing")
-
