@@ -32,15 +32,18 @@ def ray_local(monkeypatch):
 def test_two_ray_learners_train_and_broadcast_to_a_scorer(ray_local, tmp_path):
     ray = ray_local
     from actors.scorer import ScorerActor
-    from cluster.weight_sync import free_port
     from learner.learner import Learner
 
     model_dir = build_model(tmp_path / "model")
     cfg = LearnerConfig(num_learners=2, zero_stage=1, lr=1e-3, micro_batch_size=4)
     learner_cls = ray.remote(num_cpus=0.5)(Learner)
-    ds_port = free_port()
-    learners = [learner_cls.remote(cfg, CorrectionConfig(), model_dir, rank=r, world_size=2,
-                                   master_port=ds_port) for r in range(2)]
+    # the production rendezvous (cluster.pools): rank 0 holds each socket from the moment it
+    # picks the port, so nothing else on the machine can take it in between (a free_port()
+    # probe here lost its port to another process once in CI: EADDRINUSE)
+    learners = [learner_cls.remote(cfg, CorrectionConfig(), model_dir, rank=r, world_size=2)
+                for r in range(2)]
+    ds_addr = ray.get(learners[0].listen.remote())
+    ray.get([lrn.start.remote(*ds_addr) for lrn in learners])
     try:
         from actors.config import ScorerConfig
         scorer_cfg = ScorerConfig(micro_batch=4)
@@ -49,9 +52,9 @@ def test_two_ray_learners_train_and_broadcast_to_a_scorer(ray_local, tmp_path):
         scorer_cfg = SimpleNamespace(micro_batch=4, dtype="float32")
     scorer = ray.remote(num_cpus=0.25)(ScorerActor).remote(scorer_cfg, model_dir, 1.0)
 
-    port = free_port()
-    ray.get([learners[0].init_weight_sync.remote("127.0.0.1", port, 2, "gloo", 1),
-             scorer.init_weight_sync.remote("127.0.0.1", port, 1, 2)])
+    host, port = ray.get(learners[0].open_weight_sync.remote())
+    ray.get([learners[0].init_weight_sync.remote(host, port, 2, "gloo", 1),
+             scorer.init_weight_sync.remote(host, port, 1, 2)])
     before = ray.get(scorer.state_checksum.remote())
 
     batch = make_batch(num_groups=4, group_size=4, model=load_model(model_dir))
