@@ -44,11 +44,29 @@ def node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (for tests and single-machine runs)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+# free_port's range: below Linux's default ephemeral range (32768-60999), whose ports every
+# outgoing connection (Ray's workers, gRPC) takes its local port from, and above Ray's worker
+# listeners (10002-19999). A port probed there can be lost before its bind only to another
+# listener; one the kernel hands out (bind to 0) was lost once to a connection (CI: EADDRINUSE).
+FREE_PORTS = range(20000, 32768)
+
+
+def free_port(host: str = "127.0.0.1", tries: int = 200) -> int:
+    """A TCP port in ``FREE_PORTS`` that was free a moment ago (for tests and single-machine
+    runs; a served group binds its own: ``open_endpoint``)."""
+    import random
+
+    rng = random.Random()  # OS-seeded: concurrent callers do not walk the same ports
+    for _ in range(tries):
+        port = rng.choice(FREE_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free TCP port on {host} in {FREE_PORTS.start}-{FREE_PORTS.stop - 1} "
+                  f"after {tries} tries")
 
 
 def listen_fd(host: str, port: int) -> int:

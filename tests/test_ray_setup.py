@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from pathlib import Path
 
 import psutil
 import pytest
@@ -43,9 +44,14 @@ def test_local_ray_listens_on_loopback_only(local_ray):
         assert addr.is_loopback or (mapped is not None and mapped.is_loopback), ip
 
 
-def test_free_port_is_bindable():
+def test_free_port_is_bindable_and_outside_the_ephemeral_range():
     import socket
 
+    from cluster.rendezvous import FREE_PORTS
+
     port = free_port()
+    assert port in FREE_PORTS
+    lo, _ = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert FREE_PORTS.stop <= lo  # outgoing connections never take these ports
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
