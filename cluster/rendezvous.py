@@ -15,6 +15,7 @@ reaches the store's host through.
 from __future__ import annotations
 
 import os
+import random
 import socket
 from dataclasses import dataclass
 
@@ -54,8 +55,6 @@ FREE_PORTS = range(20000, 32768)
 def free_port(host: str = "127.0.0.1", tries: int = 200) -> int:
     """A TCP port in ``FREE_PORTS`` that was free a moment ago (for tests and single-machine
     runs; a served group binds its own: ``open_endpoint``)."""
-    import random
-
     rng = random.Random()  # OS-seeded: concurrent callers do not walk the same ports
     for _ in range(tries):
         port = rng.choice(FREE_PORTS)
