@@ -2,6 +2,11 @@
 
     python bench/schedule.py --quick                      # ~3 min on the 2-core machine
     python bench/schedule.py --json runs/bench_schedule.json --threshold 0.86
+    python bench/schedule.py --task reasoning --protect-prompt --bin-tokens 32   # issue 28's task
+
+``--task`` picks the prompts, the response length and the default model and candidate budgets
+(``TASKS``): ``running_sum`` on ``.cache/models/tiny-base``, ``reasoning`` on its own base
+(``launch/make_base_model.py --task reasoning``) at 12.5-100% of its mean ~359-token sequence.
 
 Calibration: responses sampled (temperature 1, the dense cache) for training prompts are replayed
 teacher-forced through the R-KV engine at each candidate budget and through the dense cache; the
@@ -48,6 +53,11 @@ from actors.native import NativeEngine  # noqa: E402
 from actors.probes import agreement  # noqa: E402
 from schedule.cost import bin_cost, load_or_measure  # noqa: E402
 from schedule.plan import bin_alphas, bin_stats, mean_budget, plan, pooled, search  # noqa: E402
+
+# --task: (default model, response tokens sampled, default candidate budgets). reasoning: 12.5,
+# 25, 37.5, 50 and 75% of its mean sequence, and 416, which never compresses its longest one
+TASKS = {"running_sum": (".cache/models/tiny-base", 80, tuple(range(16, 97, 8))),
+         "reasoning": (".cache/models/reasoning-base", 384, (45, 90, 135, 180, 270, 416))}
 
 COLUMNS = ("schedule", "distill", "budgets", "mean_budget", "kv_bytes_vs_dense",
            "kv_slots_vs_dense", "tok_per_s_vs_dense", "agreement_p5_min_bin", "agreement_mean",
@@ -166,17 +176,21 @@ def report(rows: list[dict], a, cost) -> None:
                                 for c in COLUMNS) + " |")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({"rows": rows, "threshold": a.threshold,
+        Path(a.json).write_text(json.dumps({"rows": rows, "task": a.task, "threshold": a.threshold,
                                             "margin": a.margin, "planner": a.planner,
                                             "cost_error": cost.error, "argv": sys.argv}, indent=1))
 
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=str(ROOT / ".cache/models/tiny-base"))
+    ap.add_argument("--task", default="running_sum", choices=sorted(TASKS),
+                    help="prompts, response length, default --model and --budgets (TASKS)")
+    ap.add_argument("--model", default="", help="a local HF folder (default: the task's base)")
     ap.add_argument("--quick", action="store_true", help="16 prompts per split (~1.5 min)")
     ap.add_argument("--prompts", type=int, default=0,
                     help="prompts per split, 4 samples each (default 48, --quick 16)")
+    ap.add_argument("--max-new-tokens", type=int, default=0,
+                    help="response tokens sampled (default: the task's, TASKS)")
     ap.add_argument("--threshold", type=float, default=0.86)
     ap.add_argument("--margin", type=float, default=0.0,
                     help="added to the threshold when picking on calibration (rollout.kv.margin)")
@@ -184,7 +198,8 @@ def main(argv=None) -> list[dict]:
                     help="the dynamic rows' planner (rollout.kv.planner)")
     ap.add_argument("--bin-tokens", type=int, default=16)
     ap.add_argument("--compress-every", type=int, default=16)
-    ap.add_argument("--budgets", default="", help="candidate budgets (default 16..96 step 8)")
+    ap.add_argument("--budgets", default="",
+                    help="candidate budgets (default: the task's, TASKS; running_sum 16..96 step 8)")
     ap.add_argument("--policy", default="rkv",
                     choices=[p.value for p in KVPolicy if p is not KVPolicy.dense],
                     help="eviction policy replayed at each budget (default rkv)")
@@ -204,21 +219,27 @@ def main(argv=None) -> list[dict]:
     a = ap.parse_args(argv)
     if a.adapter and a.distill_steps:
         ap.error("--adapter and --distill-steps: one adapter, loaded or trained")
+    if a.distill_steps and a.task != "running_sum":
+        ap.error(f"--distill-steps trains on running_sum's sampler (bench/distill.py); with --task "
+                 f"{a.task} pass a trained adapter: --adapter <run>/final/distill_sparse")
+    default_model, max_new, default_budgets = TASKS[a.task]
+    max_new = a.max_new_tokens or max_new
+    a.model = a.model or str(ROOT / default_model)
     torch.set_num_threads(1)
     from common.modeling import load_model, load_tokenizer
     from tasks import make_task
     from tasks.config import TaskConfig
 
     model, tok = load_model(a.model), load_tokenizer(a.model)
-    task = make_task(TaskConfig(name="running_sum"))
+    task = make_task(TaskConfig(name=a.task))
     n = a.prompts or (16 if a.quick else 48)
     kv = KVConfig(policy=KVPolicy(a.policy), budget=48, compress_every=a.compress_every,
                   obs_window=8, bin_tokens=a.bin_tokens, protect_prompt=a.protect_prompt)
     engine, dense = NativeEngine(model, kv, 64), NativeEngine(model, KVConfig(), 64)
-    calib = sequences(dense, tok, task.problems("train")[:n], 4, seed=1, max_new=80)
-    held = sequences(dense, tok, task.problems("heldout")[:n], 4, seed=2, max_new=80)
+    calib = sequences(dense, tok, task.problems("train")[:n], 4, seed=1, max_new=max_new)
+    held = sequences(dense, tok, task.problems("heldout")[:n], 4, seed=2, max_new=max_new)
     params = calib[2]
-    budgets = [int(b) for b in a.budgets.split(",")] if a.budgets else list(range(16, 97, 8))
+    budgets = [int(b) for b in a.budgets.split(",")] if a.budgets else list(default_budgets)
     t0 = time.time()
     table = base_table = table_for(engine, calib[0], calib[1], params, budgets, a.bin_tokens)
     print(f"[schedule] probe table: {len(budgets)} budgets x {len(calib[0])} sequences "

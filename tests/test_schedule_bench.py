@@ -62,3 +62,24 @@ def test_distill_adapter_trains_under_the_bench_sampler(monkeypatch):
     kv = seen["kv"]
     assert (kv.policy, kv.budget, kv.compress_every, kv.protect_prompt) == ("h2o", 40, 8, True)
     assert seen["steps"] == 3
+
+
+def test_schedule_bench_on_the_reasoning_task(tiny_model, tmp_path):
+    """``--task reasoning``: its prompts and candidate budgets (the tiny model stands in for its
+    base; a short response keeps the test quick), the prompt kept."""
+    out = tmp_path / "r.json"
+    rows = main(["--task", "reasoning", "--model", str(tiny_model), "--prompts", "2",
+                 "--max-new-tokens", "24", "--budgets", "12,40,96", "--bin-tokens", "32",
+                 "--protect-prompt", "--repeat", "1", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["task"] == "reasoning" and saved["rows"] == json.loads(json.dumps(rows))
+    assert {r["schedule"] for r in rows} >= {"static", "dynamic-speed", "dynamic-memory"}
+    # a reasoning prompt is ~25 tokens: with 24 new ones every position is in bins 0 and 1
+    assert all(set(r["per_bin"]) <= {"0", "1", 0, 1} for r in rows if "per_bin" in r)
+    assert all(b in (12, 40, 96) for r in rows if "budgets" in r for b in r["budgets"])
+
+
+def test_schedule_bench_refuses_training_an_adapter_off_running_sum(capsys):
+    with pytest.raises(SystemExit):
+        main(["--task", "reasoning", "--distill-steps", "2"])
+    assert "--adapter <run>/final/distill_sparse" in capsys.readouterr().err
