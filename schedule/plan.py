@@ -225,9 +225,11 @@ def raise_floors(floors: list[int], realized: dict[int, list[float]], current: l
                  candidates: list[int], threshold: float) -> list[int]:
     """``floors`` (per-bin lower bounds, 0: none) raised from the probes' own alphas at the
     schedule in use (``realized``, by bin; bins of too few tokens pooled). A bin k whose p5 is
-    below ``threshold`` failed under every eviction up to its end, which cannot be undone, so the
-    likeliest cause is the smallest budget among bins 0..k: each bin holding it gets at least the
-    next candidate above it (the largest candidate if none is above). Bounds only ever rise."""
+    below ``threshold`` failed under every eviction up to its end, which cannot be undone; the
+    likeliest cause is the smallest budget among bins 0..k, and of the bins holding it the last
+    (it compressed the most tokens; with one budget throughout, bin k itself, the ``table``
+    planner's rule). That bin gets at least the next candidate above it (the largest candidate if
+    none is above); a failure that persists walks back to the next one. Bounds only ever rise."""
     cands = sorted({int(c) for c in candidates})
     out = list(floors)
     for k, alphas in sorted(pooled(realized)[0].items()):
@@ -235,11 +237,9 @@ def raise_floors(floors: list[int], realized: dict[int, list[float]], current: l
             continue
         upto = [current[min(j, len(current) - 1)] for j in range(k + 1)]
         least = min(upto)
-        bound = next((c for c in cands if c > least), cands[-1])
-        out += [0] * (k + 1 - len(out))
-        for j, b in enumerate(upto):
-            if b == least:
-                out[j] = max(out[j], bound)
+        j = max(i for i, b in enumerate(upto) if b == least)
+        out += [0] * (j + 1 - len(out))
+        out[j] = max(out[j], next((c for c in cands if c > least), cands[-1]))
     return out
 
 

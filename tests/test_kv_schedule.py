@@ -318,14 +318,20 @@ def test_exact_search_keeps_a_sparse_tail_bin_at_least_at_its_pooled_bin():
 def test_raise_floors_blames_the_smallest_budget_up_to_a_failing_bin():
     ok, bad = [0.99] * 20, [0.99] * 18 + [0.2] * 2
     current = [45, 45, 90, 90, 45, 90]
-    # bin 5 fails: bins 0..5 hold 45 at 0, 1 and 4, the next candidate above is 90
-    assert raise_floors([], {0: ok, 1: ok, 4: ok, 5: bad}, current, [45, 90, 180, 400],
-                        0.86) == [90, 90, 0, 0, 90, 0]
-    # bin 2 fails too: only bins 0 and 1 are up to it; bounds only rise (bin 3's 180 stays)
-    assert raise_floors([0, 0, 0, 180], {2: bad}, current, [45, 90, 180, 400],
-                        0.86) == [90, 90, 0, 180]
-    # past the schedule's end its last budget holds; failing at the largest candidate keeps it
-    assert raise_floors([], {8: bad}, [400], [45, 400], 0.86) == [400] * 9
+    cands = [45, 90, 180, 400]
+    # bin 5 fails: bins 0..5 hold 45 at 0, 1 and 4; the last of them, bin 4, gets the next
+    # candidate above it
+    assert raise_floors([], {0: ok, 1: ok, 4: ok, 5: bad}, current, cands, 0.86) == \
+        [0, 0, 0, 0, 90]
+    # it fails again with bin 4 at 90: the blame walks back to bin 1
+    again = raise_floors([0, 0, 0, 0, 90], {5: bad}, [45, 45, 90, 90, 90, 90], cands, 0.86)
+    assert again == [0, 90, 0, 0, 90]
+    # bin 2 fails: bins 0 and 1 are up to it; bounds only rise (bin 3's 180 stays)
+    assert raise_floors([0, 0, 0, 180], {2: bad}, current, cands, 0.86) == [0, 90, 0, 180]
+    # one budget throughout: the failing bin itself (the table planner's rule); past the
+    # schedule's end its last budget holds; failing at the largest candidate keeps it
+    assert raise_floors([], {3: bad}, [90], cands, 0.86) == [0, 0, 0, 180]
+    assert raise_floors([], {8: bad}, [400], [45, 400], 0.86) == [0] * 8 + [400]
     # passing bins change nothing; a tail bin of too few tokens is judged with the bin before
     assert raise_floors([7], {0: ok, 1: [0.99, 0.99, 0.1]}, current, [45, 90], 0.86) == [7]
 
