@@ -107,6 +107,10 @@ class KVConfig:
     replan_every: int = 5           # training steps between re-plans (dynamic)
     protect_prompt: bool = False    # compression never evicts prompt tokens (they count in budget)
     objective: KVObjective = KVObjective.speed   # what the re-planner minimises (dynamic)
+    # Lower bound on each bin's budget (0: none; bins past the end: none), both planners. The
+    # driver raises it when a bin's probes fail at the schedule in use and keeps it for the run
+    # (``schedule.plan.raise_floors``; kept here, like ``budgets``, so checkpoints carry it).
+    min_budgets: list[int] = field(default_factory=list)
     planner: KVPlanner = KVPlanner.exact         # how it searches (dynamic; schedule/plan.py)
 
     def __post_init__(self) -> None:
@@ -146,6 +150,13 @@ class KVConfig:
             if not isinstance(value, (list, tuple)) or not all(
                     isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in value):
                 raise ConfigError(f"{prefix}.{key}", value, "a list of integers >= 1")
+        if not isinstance(self.min_budgets, (list, tuple)) or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in self.min_budgets):
+            raise ConfigError(f"{prefix}.min_budgets", self.min_budgets, "a list of integers >= 0")
+        if self.min_budgets and schedule != KVSchedule.dynamic:
+            raise ConfigError(f"{prefix}.min_budgets", self.min_budgets,
+                              f"empty with {prefix}.schedule={schedule.value} (only the dynamic "
+                              f"re-planner reads it)")
         check_range(f"{prefix}.probe_share", self.probe_share, lo=0.0, hi=1.0)
         check_range(f"{prefix}.threshold", self.threshold, lo=0.0, hi=1.0, lo_open=True)
         check_range(f"{prefix}.margin", self.margin, lo=0.0, hi=1.0)

@@ -238,7 +238,8 @@ class RolloutActor(ReceivesWeights):
 
     def probe_summary(self) -> dict:
         """What the exact planner needs to know of the kept probe sequences: their longest
-        possible length (prompt + ``max_new_tokens``) and their response tokens per bin."""
+        possible length (prompt + ``max_new_tokens``) and their response tokens per bin; and the
+        realised alphas per bin of every probe since the last ``take_probes``."""
         from schedule.plan import bin_alphas
 
         counts: dict[int, int] = {}
@@ -249,7 +250,7 @@ class RolloutActor(ReceivesWeights):
             # token ids in place of alphas: only how many fall in each bin counts
             for k, v in bin_alphas(plens, responses, self.cfg.kv.bin_tokens).items():
                 counts[k] = counts.get(k, 0) + len(v)
-        return {"longest": longest, "counts": counts}
+        return {"longest": longest, "counts": counts, "realized": self._realized}
 
     def replay_probes(self, schedules: list[list[int]]) -> list[dict[int, list[float]]]:
         """The kept probe sequences replayed at each schedule: alphas by position bin."""

@@ -27,6 +27,12 @@ and every smaller one.
 Both minimise ``cost(bin, budget) -> seconds`` (``schedule.cost``) among passing schedules:
 ``search`` bin by bin, ``plan`` summed over bins (a dynamic programme from the last bin); ties go
 to the smaller budgets.
+
+Both also take per-bin lower bounds (``floors``, ``rollout.kv.min_budgets``) that the driver raises
+over a run from how the schedule in use did (``raise_floors``): probes replayed at a candidate were
+sampled under the previous schedule, and a smaller budget's own samples can go where dense
+disagrees more than those replays show, so a bin that fails at the schedule in use is not given
+the budget it failed with again.
 """
 from __future__ import annotations
 
@@ -96,11 +102,13 @@ def merge(tables: list[dict]) -> dict[int, dict[int, list[float]]]:
 
 def plan(table: dict[int, dict[int, list[float]]], cost: Callable[[int, int], float],
          threshold: float, margin: float = 0.0, realized: dict[int, list[float]] | None = None,
-         current: list[int] | None = None) -> tuple[list[int], dict]:
+         current: list[int] | None = None, floors: list[int] | None = None
+         ) -> tuple[list[int], dict]:
     """The cheapest non-increasing budget per bin whose probe p5 passes every probed bin.
 
     ``realized``: {bin: alphas} of probes at the ``current`` schedule; a bin below ``threshold``
-    there excludes budgets <= its current one. Bins with fewer than ``MIN_BIN_TOKENS`` alphas are
+    there excludes budgets <= its current one; ``floors[k]`` excludes budgets below it in bin k.
+    Bins with fewer than ``MIN_BIN_TOKENS`` alphas are
     judged pooled with the bin before them and get at least that bin's budget. Returns (budgets
     per bin, trailing repeats dropped; info: per-bin lower bounds, bins where nothing passed, the
     schedule's summed cost)."""
@@ -122,6 +130,10 @@ def plan(table: dict[int, dict[int, list[float]]], cost: Callable[[int, int], fl
         floor[k] = ok[0] if ok else budgets[-1]
     unmet = [k for k in bins if floor[k] == budgets[-1] and
              not p5(table[budgets[-1]].get(k, [1.0])) >= need]
+    for k, bound in enumerate(floors or []):
+        if bound > budgets[0]:      # the smallest candidate at or above the bound
+            floor[k] = max(floor.get(k, budgets[0]),
+                           next((b for b in budgets if b >= bound), budgets[-1]))
     for k, target in (joined | rjoined).items():   # a pooled bin is certified with its target
         floor[k] = max(floor.get(k, budgets[0]), floor.get(target, budgets[0]))
     # best[b] = (cost of bins k.. with budget b in bin k, their budgets); from the last bin down
@@ -144,10 +156,12 @@ def plan(table: dict[int, dict[int, list[float]]], cost: Callable[[int, int], fl
 
 def search(replay: Callable[[list[list[int]]], list[dict[int, list[float]]]],
            candidates: list[int], bin_tokens: int, cost: Callable[[int, int], float],
-           threshold: float, margin: float = 0.0) -> tuple[list[int], dict]:
+           threshold: float, margin: float = 0.0, floors: list[int] | None = None
+           ) -> tuple[list[int], dict]:
     """The exact planner (module docstring). ``replay(schedules)``: for each schedule (budget per
-    bin), the probes' alphas grouped by bin. Returns (budgets per bin, trailing repeats dropped;
-    info: bins that fail even at ``top``, the schedule's summed cost, replays run)."""
+    bin), the probes' alphas grouped by bin; ``floors[k]``: no budget below it in bin k. Returns
+    (budgets per bin, trailing repeats dropped; info: bins that fail even at ``top``, the
+    schedule's summed cost, replays run)."""
     cands = sorted({int(b) for b in candidates})
     if not cands:
         raise ValueError("search: no candidate budgets")
@@ -168,9 +182,12 @@ def search(replay: Callable[[list[list[int]]], list[dict[int, list[float]]]],
         # than (k + 1) * bin_tokens tokens): larger ones replay identically
         end = (k + 1) * bin_tokens
         opts = [b for b in cands if b < end] + [b for b in cands if b >= end][:1]
+        floor = (floors or [])[k] if k < len(floors or []) else 0
         if k in joined:     # too few tokens to judge alone: never below the bin it is judged with
-            floor = chosen[joined[k]]
-            opts = sorted({b for b in opts if b >= floor} | {floor})
+            floor = max(floor, chosen[joined[k]])
+        if floor:
+            opts = sorted({b for b in opts if b >= floor} |
+                          {next((b for b in cands if b >= floor), top)})
         runs = replay([chosen + [b] + [top] * (nbins - k - 1) for b in opts])
         replays += len(opts)
         ok = [b for b, r in zip(opts, runs) if all(v >= target[j] for j, v in judged(r).items())]
@@ -202,6 +219,28 @@ def _lift_idle(replay, chosen: list[int], ref: dict | None) -> tuple[list[int], 
             if replay([trial])[0] == ref:
                 out = trial
     return out, runs
+
+
+def raise_floors(floors: list[int], realized: dict[int, list[float]], current: list[int],
+                 candidates: list[int], threshold: float) -> list[int]:
+    """``floors`` (per-bin lower bounds, 0: none) raised from the probes' own alphas at the
+    schedule in use (``realized``, by bin; bins of too few tokens pooled). A bin k whose p5 is
+    below ``threshold`` failed under every eviction up to its end, which cannot be undone; the
+    likeliest cause is the smallest budget among bins 0..k, and of the bins holding it the last
+    (it compressed the most tokens; with one budget throughout, bin k itself, the ``table``
+    planner's rule). That bin gets at least the next candidate above it (the largest candidate if
+    none is above); a failure that persists walks back to the next one. Bounds only ever rise."""
+    cands = sorted({int(c) for c in candidates})
+    out = list(floors)
+    for k, alphas in sorted(pooled(realized)[0].items()):
+        if p5(alphas) >= threshold:
+            continue
+        upto = [current[min(j, len(current) - 1)] for j in range(k + 1)]
+        least = min(upto)
+        j = max(i for i, b in enumerate(upto) if b == least)
+        out += [0] * (j + 1 - len(out))
+        out[j] = max(out[j], next((c for c in cands if c > least), cands[-1]))
+    return out
 
 
 def mean_budget(schedule: list[int], by_bin_tokens: dict[int, int]) -> float:

@@ -10,7 +10,9 @@ def replan_schedule(pools, cfg, step: int) -> dict:
     since the last re-plan and the engine's cost model give the next budget per bin
     (``rollout.kv.planner``: ``_search_schedule`` or ``_table_schedule``), sent to every rollout
     actor and kept in ``cfg.rollout.kv.budgets`` (so replacement actors and checkpoints carry
-    it). Returns the ``schedule/*`` metrics."""
+    it). Bins whose probes failed at the schedule in use raise ``rollout.kv.min_budgets`` first
+    (``schedule.plan.raise_floors``), which both planners respect. Returns the ``schedule/*``
+    metrics."""
     import ray
 
     from actors.config import KVObjective, KVPlanner, KVSchedule
@@ -29,17 +31,29 @@ def replan_schedule(pools, cfg, step: int) -> dict:
     found = (_search_schedule if exact else _table_schedule)(pools, kv, per_bin)
     if found is None:
         return {"schedule/replanned": 0}
-    budgets, info = found
+    budgets, info, raised = found
     ray.get([a.set_budgets.remote(budgets) for a in pools.rollout])
     kv.budgets = list(budgets)
     out = {"schedule/replanned": 1, "schedule/unmet_bins": len(info["unmet_bins"]),
            "schedule/predicted_cost": info["predicted_cost"],
            "schedule/cost_error_step": cost.error.get("step", 0.0),
-           "schedule/cost_error_compress": cost.error.get("compress", 0.0)}
+           "schedule/cost_error_compress": cost.error.get("compress", 0.0),
+           "schedule/raised_bins": raised}
     if exact:
         out["schedule/replays"] = info["replays"]
     out.update({f"schedule/budget_bin{k}": b for k, b in enumerate(budgets)})
+    out.update({f"schedule/min_budget_bin{k}": b for k, b in enumerate(kv.min_budgets) if b})
     return out
+
+
+def _raise_floors(kv, realized: dict, candidates: list[int]) -> int:
+    """``rollout.kv.min_budgets`` raised from the realised alphas at the schedule in use; returns
+    how many bins' bounds rose."""
+    from schedule.plan import raise_floors
+
+    before = list(kv.min_budgets)
+    kv.min_budgets = raise_floors(before, realized, kv.bin_budgets(), candidates, kv.threshold)
+    return sum(b > (before[k] if k < len(before) else 0) for k, b in enumerate(kv.min_budgets))
 
 
 def _search_schedule(pools, kv, per_bin):
@@ -51,6 +65,7 @@ def _search_schedule(pools, kv, per_bin):
     from schedule.plan import merge, search
 
     summary = ray.get([a.probe_summary.remote() for a in pools.rollout])
+    realized = merge([{0: s["realized"]} for s in summary]).get(0, {})
     counts: dict[int, int] = {}
     for s in summary:
         for k, n in s["counts"].items():
@@ -62,9 +77,10 @@ def _search_schedule(pools, kv, per_bin):
 
     found = None
     if counts:
-        longest = max(s["longest"] for s in summary)
-        found = search(replay, candidate_budgets(kv, longest), kv.bin_tokens, per_bin(counts),
-                       kv.threshold, kv.margin)
+        cands = candidate_budgets(kv, max(s["longest"] for s in summary))
+        raised = _raise_floors(kv, realized, cands)
+        found = (*search(replay, cands, kv.bin_tokens, per_bin(counts), kv.threshold, kv.margin,
+                         kv.min_budgets), raised)
     ray.get([a.take_probes.remote() for a in pools.rollout])     # done with them
     return found
 
@@ -82,4 +98,6 @@ def _table_schedule(pools, kv, per_bin):
         return None
     realized = merge([{0: p["realized"]} for p in probes]).get(0, {})
     counts = {k: len(v) for k, v in next(iter(table.values())).items()}
-    return plan(table, per_bin(counts), kv.threshold, kv.margin, realized, kv.bin_budgets())
+    raised = _raise_floors(kv, realized, sorted(table))
+    return (*plan(table, per_bin(counts), kv.threshold, kv.margin, realized, kv.bin_budgets(),
+                  kv.min_budgets), raised)

@@ -16,7 +16,7 @@ from common.modeling import load_model
 from common.testmodels import build_model
 from correction.metrics import tv_agreement
 from schedule import cost as costmod
-from schedule.plan import bin_alphas, mean_budget, p5, plan, pooled, search
+from schedule.plan import bin_alphas, mean_budget, p5, plan, pooled, raise_floors, search
 from tasks.base import Problem
 from conftest import ContainsAnswer
 
@@ -185,6 +185,11 @@ def test_schedule_config_errors():
         kv(schedule="dynamic", probe_share=0.5, planner="greedy").validate()
     with pytest.raises(ConfigError, match="rollout.kv.budgets"):
         kv(budgets=[12, 0]).validate()
+    with pytest.raises(ConfigError, match="rollout.kv.min_budgets"):
+        kv(min_budgets=[16]).validate()        # static: nothing reads it
+    with pytest.raises(ConfigError, match="rollout.kv.min_budgets"):
+        kv(schedule="dynamic", probe_share=0.5, min_budgets=[16, -1]).validate()
+    kv(schedule="dynamic", probe_share=0.5, min_budgets=[0, 16]).validate()
     with pytest.raises(ConfigError, match="rollout.kv.obs_window"):
         kv(budgets=[12, 3]).validate()
     with pytest.raises(ConfigError, match="rollout.kv.budgets"):
@@ -308,6 +313,45 @@ def test_exact_search_keeps_a_sparse_tail_bin_at_least_at_its_pooled_bin():
         return out
     budgets, info = search(replay, [8, 16, 24, 32], 8, linear_cost, 0.86)
     assert budgets == [16, 16, 16, 24] and info["unmet_bins"] == []
+
+
+def test_raise_floors_blames_the_smallest_budget_up_to_a_failing_bin():
+    ok, bad = [0.99] * 20, [0.99] * 18 + [0.2] * 2
+    current = [45, 45, 90, 90, 45, 90]
+    cands = [45, 90, 180, 400]
+    # bin 5 fails: bins 0..5 hold 45 at 0, 1 and 4; the last of them, bin 4, gets the next
+    # candidate above it
+    assert raise_floors([], {0: ok, 1: ok, 4: ok, 5: bad}, current, cands, 0.86) == \
+        [0, 0, 0, 0, 90]
+    # it fails again with bin 4 at 90: the blame walks back to bin 1
+    again = raise_floors([0, 0, 0, 0, 90], {5: bad}, [45, 45, 90, 90, 90, 90], cands, 0.86)
+    assert again == [0, 90, 0, 0, 90]
+    # bin 2 fails: bins 0 and 1 are up to it; bounds only rise (bin 3's 180 stays)
+    assert raise_floors([0, 0, 0, 180], {2: bad}, current, cands, 0.86) == [0, 90, 0, 180]
+    # one budget throughout: the failing bin itself (the table planner's rule); past the
+    # schedule's end its last budget holds; failing at the largest candidate keeps it
+    assert raise_floors([], {3: bad}, [90], cands, 0.86) == [0, 0, 0, 180]
+    assert raise_floors([], {8: bad}, [400], [45, 400], 0.86) == [0] * 8 + [400]
+    # passing bins change nothing; a tail bin of too few tokens is judged with the bin before
+    assert raise_floors([7], {0: ok, 1: [0.99, 0.99, 0.1]}, current, [45, 90], 0.86) == [7]
+
+
+def test_floors_bound_both_planners():
+    # plan: bin 2 may not go below 24, so the non-increasing schedule is 24 throughout
+    assert plan(_table(), linear_cost, 0.86)[0] == [24, 24, 16]
+    assert plan(_table(), linear_cost, 0.86, floors=[0, 0, 24])[0] == [24]
+    # a bound between candidates means the next candidate up
+    assert plan(_table(), linear_cost, 0.86, floors=[0, 0, 17])[0] == [24]
+    # search: the growing schedule with bin 2 held at 24 or more, and bin 0 at 24 (20 -> 24)
+    budgets, info = search(irreversible_replay, [8, 16, 24, 32], 8, linear_cost, 0.86)
+    assert budgets == [16, 16, 16, 24]
+    budgets, _ = search(irreversible_replay, [8, 16, 24, 32], 8, linear_cost, 0.86,
+                        floors=[0, 0, 24])
+    assert budgets == [24]         # bins 0 and 1 at 16 never evict there: lifted to 24
+    budgets, _ = search(irreversible_replay, [8, 16, 24, 32], 8, linear_cost, 0.86,
+                        floors=[20])
+    assert budgets[0] == 24 and all(p5(v) >= 0.86 for v in
+                                    irreversible_replay([budgets])[0].values())
 
 
 def test_bin_alphas_and_mean_budget():

@@ -43,6 +43,7 @@ def test_dynamic_schedule_replans_and_checkpoints(tiny_model, tmp_path, planner)
         assert any(k.startswith("mismatch/agreement_p5/bin") for k in r)
         assert 0.0 <= r["mismatch/probe_agreement_p5_min_bin"] <= 1.0
         assert r["rollout/kv_budget_mean"] > 0
+        assert r["schedule/raised_bins"] >= 0
     # step 2's rollouts were generated after step 1's re-plan, with its budgets
     first = [steps[0][f"schedule/budget_bin{k}"] for k in range(8) if
              f"schedule/budget_bin{k}" in steps[0]]
@@ -51,3 +52,7 @@ def test_dynamic_schedule_replans_and_checkpoints(tiny_model, tmp_path, planner)
     (ckpt,) = (run_dir / "checkpoints").iterdir()
     cfg = yaml.safe_load((ckpt / "config.yaml").read_text())
     assert cfg["rollout"]["kv"]["budgets"] == plan
+    # and the bounds raised over the run, as the last step logged them
+    floors = {int(k.rsplit("bin", 1)[1]): v for k, v in steps[-1].items()
+              if k.startswith("schedule/min_budget_bin")}
+    assert {k: b for k, b in enumerate(cfg["rollout"]["kv"]["min_budgets"]) if b} == floors
