@@ -149,9 +149,22 @@ def plan(table: dict[int, dict[int, list[float]]], cost: Callable[[int, int], fl
             tail = min(tails, key=lambda cs: (cs[0], cs[1]))
             best[b] = (cost(k, b) + tail[0], [b] + tail[1])
     total, schedule = min(best.values(), key=lambda cs: (cs[0], cs[1]))
+    schedule = _bounded(schedule, floors, budgets)
     while len(schedule) > 1 and schedule[-1] == schedule[-2]:
         schedule.pop()
     return schedule, {"floor": floor, "unmet_bins": unmet, "predicted_cost": total}
+
+
+def _bounded(schedule: list[int], floors: list[int] | None, cands: list[int]) -> list[int]:
+    """``schedule`` with every bin at least its bound (the smallest candidate at or above it),
+    bins past the schedule's end included (its last budget holds there). The probes of one batch
+    need not reach every bin a bound was set for; there the budget is raised without a replay,
+    which only keeps more."""
+    floors = floors or []
+    n = max(len(schedule), len(floors))
+    return [max(schedule[min(k, len(schedule) - 1)],
+                next((c for c in cands if c >= floors[k]), cands[-1]) if k < len(floors) else 0)
+            for k in range(n)]
 
 
 def search(replay: Callable[[list[list[int]]], list[dict[int, list[float]]]],
@@ -195,6 +208,7 @@ def search(replay: Callable[[list[list[int]]], list[dict[int, list[float]]]],
         last = dict(zip(opts, runs))
     # the last bin's run of the chosen budget is the whole chosen schedule's (nothing after it)
     chosen, lifts = _lift_idle(replay, chosen, last.get(chosen[-1]) if chosen else None)
+    chosen = _bounded(chosen or [top], floors, cands)
     while len(chosen) > 1 and chosen[-1] == chosen[-2]:
         chosen.pop()
     total = sum(cost(k, chosen[min(k, len(chosen) - 1)]) for k in range(nbins))

@@ -348,6 +348,10 @@ def test_floors_bound_both_planners():
     budgets, _ = search(irreversible_replay, [8, 16, 24, 32], 8, linear_cost, 0.86,
                         floors=[0, 0, 24])
     assert budgets == [24]         # bins 0 and 1 at 16 never evict there: lifted to 24
+    # a bound past the bins the probes reach (a batch of short sequences) still holds there
+    assert search(irreversible_replay, [8, 16, 24, 32], 8, linear_cost, 0.86,
+                  floors=[0, 0, 0, 0, 0, 32])[0] == [16, 16, 16, 24, 24, 32]
+    assert plan(_table(), linear_cost, 0.86, floors=[0, 0, 0, 0, 32])[0] == [24, 24, 16, 16, 32]
     budgets, _ = search(irreversible_replay, [8, 16, 24, 32], 8, linear_cost, 0.86,
                         floors=[20])
     assert budgets[0] == 24 and all(p5(v) >= 0.86 for v in
