@@ -150,8 +150,9 @@ class KVConfig:
             if not isinstance(value, (list, tuple)) or not all(
                     isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in value):
                 raise ConfigError(f"{prefix}.{key}", value, "a list of integers >= 1")
-        if not isinstance(self.min_budgets, (list, tuple)) or not all(
-                isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in self.min_budgets):
+        bounds = self.min_budgets
+        if not isinstance(bounds, (list, tuple)) or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in bounds):
             raise ConfigError(f"{prefix}.min_budgets", self.min_budgets, "a list of integers >= 0")
         if self.min_budgets and schedule != KVSchedule.dynamic:
             raise ConfigError(f"{prefix}.min_budgets", self.min_budgets,

@@ -199,7 +199,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--bin-tokens", type=int, default=16)
     ap.add_argument("--compress-every", type=int, default=16)
     ap.add_argument("--budgets", default="",
-                    help="candidate budgets (default: the task's, TASKS; running_sum 16..96 step 8)")
+                    help="candidate budgets (default: the task's, TASKS; running_sum: 16..96 "
+                         "step 8)")
     ap.add_argument("--policy", default="rkv",
                     choices=[p.value for p in KVPolicy if p is not KVPolicy.dense],
                     help="eviction policy replayed at each budget (default rkv)")

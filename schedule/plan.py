@@ -108,8 +108,8 @@ def plan(table: dict[int, dict[int, list[float]]], cost: Callable[[int, int], fl
 
     ``realized``: {bin: alphas} of probes at the ``current`` schedule; a bin below ``threshold``
     there excludes budgets <= its current one; ``floors[k]`` excludes budgets below it in bin k.
-    Bins with fewer than ``MIN_BIN_TOKENS`` alphas are
-    judged pooled with the bin before them and get at least that bin's budget. Returns (budgets
+    Bins with fewer than ``MIN_BIN_TOKENS`` alphas are judged pooled with the bin before them and
+    get at least that bin's budget. Returns (budgets
     per bin, trailing repeats dropped; info: per-bin lower bounds, bins where nothing passed, the
     schedule's summed cost)."""
     budgets = sorted(table)
