@@ -145,15 +145,11 @@ class KVConfig:
     def _validate_schedule(self, prefix: str, policy: KVPolicy) -> None:
         schedule = _enum(f"{prefix}.schedule", KVSchedule, self.schedule)
         check_range(f"{prefix}.bin_tokens", self.bin_tokens, lo=1)
-        for key in ("budgets", "probe_budgets"):
+        for key, lo in (("budgets", 1), ("probe_budgets", 1), ("min_budgets", 0)):
             value = getattr(self, key)
             if not isinstance(value, (list, tuple)) or not all(
-                    isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in value):
-                raise ConfigError(f"{prefix}.{key}", value, "a list of integers >= 1")
-        bounds = self.min_budgets
-        if not isinstance(bounds, (list, tuple)) or not all(
-                isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in bounds):
-            raise ConfigError(f"{prefix}.min_budgets", self.min_budgets, "a list of integers >= 0")
+                    isinstance(b, int) and not isinstance(b, bool) and b >= lo for b in value):
+                raise ConfigError(f"{prefix}.{key}", value, f"a list of integers >= {lo}")
         if self.min_budgets and schedule != KVSchedule.dynamic:
             raise ConfigError(f"{prefix}.min_budgets", self.min_budgets,
                               f"empty with {prefix}.schedule={schedule.value} (only the dynamic "

@@ -132,8 +132,7 @@ def plan(table: dict[int, dict[int, list[float]]], cost: Callable[[int, int], fl
              not p5(table[budgets[-1]].get(k, [1.0])) >= need]
     for k, bound in enumerate(floors or []):
         if bound > budgets[0]:      # the smallest candidate at or above the bound
-            floor[k] = max(floor.get(k, budgets[0]),
-                           next((b for b in budgets if b >= bound), budgets[-1]))
+            floor[k] = max(floor.get(k, budgets[0]), _at_least(budgets, bound))
     for k, target in (joined | rjoined).items():   # a pooled bin is certified with its target
         floor[k] = max(floor.get(k, budgets[0]), floor.get(target, budgets[0]))
     # best[b] = (cost of bins k.. with budget b in bin k, their budgets); from the last bin down
@@ -163,8 +162,12 @@ def _bounded(schedule: list[int], floors: list[int] | None, cands: list[int]) ->
     floors = floors or []
     n = max(len(schedule), len(floors))
     return [max(schedule[min(k, len(schedule) - 1)],
-                next((c for c in cands if c >= floors[k]), cands[-1]) if k < len(floors) else 0)
-            for k in range(n)]
+                _at_least(cands, floors[k]) if k < len(floors) else 0) for k in range(n)]
+
+
+def _at_least(cands: list[int], bound: int) -> int:
+    """The smallest of the sorted ``cands`` at or above ``bound`` (the largest if none is)."""
+    return next((c for c in cands if c >= bound), cands[-1])
 
 
 def search(replay: Callable[[list[list[int]]], list[dict[int, list[float]]]],
@@ -200,7 +203,7 @@ def search(replay: Callable[[list[list[int]]], list[dict[int, list[float]]]],
             floor = max(floor, chosen[joined[k]])
         if floor:
             opts = sorted({b for b in opts if b >= floor} |
-                          {next((b for b in cands if b >= floor), top)})
+                          {_at_least(cands, floor)})
         runs = replay([chosen + [b] + [top] * (nbins - k - 1) for b in opts])
         replays += len(opts)
         ok = [b for b, r in zip(opts, runs) if all(v >= target[j] for j, v in judged(r).items())]
@@ -253,7 +256,7 @@ def raise_floors(floors: list[int], realized: dict[int, list[float]], current: l
         least = min(upto)
         j = max(i for i, b in enumerate(upto) if b == least)
         out += [0] * (j + 1 - len(out))
-        out[j] = max(out[j], next((c for c in cands if c > least), cands[-1]))
+        out[j] = max(out[j], _at_least(cands, least + 1))
     return out
 
 
