@@ -111,6 +111,10 @@ class KVConfig:
     # driver raises it when a bin's probes fail at the schedule in use and keeps it for the run
     # (``schedule.plan.raise_floors``; kept here, like ``budgets``, so checkpoints carry it).
     min_budgets: list[int] = field(default_factory=list)
+    # Sequences sampled under a re-plan that lowers any bin below the schedule in use, to check
+    # it on its own samples before it is adopted (``schedule.plan.verify``); 0: adopt on the
+    # replays alone.
+    verify_samples: int = 0
     planner: KVPlanner = KVPlanner.exact         # how it searches (dynamic; schedule/plan.py)
 
     def __post_init__(self) -> None:
@@ -153,6 +157,11 @@ class KVConfig:
         if self.min_budgets and schedule != KVSchedule.dynamic:
             raise ConfigError(f"{prefix}.min_budgets", self.min_budgets,
                               f"empty with {prefix}.schedule={schedule.value} (only the dynamic "
+                              f"re-planner reads it)")
+        check_range(f"{prefix}.verify_samples", self.verify_samples, lo=0)
+        if self.verify_samples and schedule != KVSchedule.dynamic:
+            raise ConfigError(f"{prefix}.verify_samples", self.verify_samples,
+                              f"0 with {prefix}.schedule={schedule.value} (only the dynamic "
                               f"re-planner reads it)")
         check_range(f"{prefix}.probe_share", self.probe_share, lo=0.0, hi=1.0)
         check_range(f"{prefix}.threshold", self.threshold, lo=0.0, hi=1.0, lo_open=True)

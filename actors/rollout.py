@@ -86,6 +86,7 @@ class RolloutActor(ReceivesWeights):
         self._dense = None
         self._probes, self._realized, self._cost = {}, {}, None   # dynamic KV schedule
         self._probe_seqs: list[tuple] = []    # (prompts, responses, params): planner=exact
+        self._probe_prompts: list[list[int]] = []   # the latest re-plan's: ``sample_probes``
 
     # ---- generation ------------------------------------------------------------------------------
     def _params(self, greedy: bool, batch: int | None = None) -> SamplingParams:
@@ -226,6 +227,7 @@ class RolloutActor(ReceivesWeights):
         # only batches the re-plan right after them reads (step k trains batch k; re-plans at
         # multiples of replan_every): replaying candidates is most of the cost
         if dynamic and (batch is None or batch % kv.replan_every == 0):
+            self._probe_prompts = prompts
             if KVPlanner(kv.planner) == KVPlanner.exact:
                 self._probe_seqs.append((prompts, responses, params))
             else:
@@ -265,6 +267,29 @@ class RolloutActor(ReceivesWeights):
             out = [merge([{0: o}, {0: bin_alphas(plens, a, self.cfg.kv.bin_tokens)}])[0]
                    for o, a in zip(out, runs)]
         return out
+
+    def sample_probes(self, budgets: list[int], n: int, key: int) -> dict[int, list[float]]:
+        """``n`` sequences sampled at ``budgets`` from the latest re-plan's probe prompts (in
+        turn), each replayed at those budgets: their own alphas by position bin, the evidence of
+        the on-policy check (``schedule.plan.verify``). ``key`` fixes the sampling seed, as the
+        driver's batch number does for rollouts. The engine's schedule is restored after."""
+        from actors.probes import agreement
+        from schedule.plan import bin_alphas
+
+        if not self._probe_prompts or n <= 0:
+            return {}
+        prompts = [self._probe_prompts[i % len(self._probe_prompts)] for i in range(n)]
+        params = self._params(greedy=False, batch=key)
+        saved = list(self.engine.budgets)
+        try:
+            self.engine.set_budgets(list(budgets))
+            outs = [o for o in self.engine.generate(prompts, params) if o.response_ids]
+            prompts = [list(o.prompt_ids) for o in outs]
+            alphas = agreement(self.engine, prompts, [list(o.response_ids) for o in outs],
+                               params, int(self.cfg.dense_micro_batch))
+        finally:
+            self.engine.set_budgets(saved)
+        return bin_alphas([len(p) for p in prompts], alphas, self.cfg.kv.bin_tokens)
 
     def take_probes(self) -> dict:
         """The probe table gathered since the last call ({budget: {bin: alphas}}), the realised

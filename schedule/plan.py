@@ -32,7 +32,9 @@ Both also take per-bin lower bounds (``floors``, ``rollout.kv.min_budgets``) tha
 over a run from how the schedule in use did (``raise_floors``): probes replayed at a candidate were
 sampled under the previous schedule, and a smaller budget's own samples can go where dense
 disagrees more than those replays show, so a bin that fails at the schedule in use is not given
-the budget it failed with again.
+the budget it failed with again. ``verify`` checks, before it is adopted, a schedule that lowers a
+bin below the one in use on sequences sampled under it (on-policy), raising the bounds where
+they fail.
 """
 from __future__ import annotations
 
@@ -148,9 +150,7 @@ def plan(table: dict[int, dict[int, list[float]]], cost: Callable[[int, int], fl
             tail = min(tails, key=lambda cs: (cs[0], cs[1]))
             best[b] = (cost(k, b) + tail[0], [b] + tail[1])
     total, schedule = min(best.values(), key=lambda cs: (cs[0], cs[1]))
-    schedule = _bounded(schedule, floors, budgets)
-    while len(schedule) > 1 and schedule[-1] == schedule[-2]:
-        schedule.pop()
+    schedule = _trimmed(_bounded(schedule, floors, budgets))
     return schedule, {"floor": floor, "unmet_bins": unmet, "predicted_cost": total}
 
 
@@ -211,9 +211,7 @@ def search(replay: Callable[[list[list[int]]], list[dict[int, list[float]]]],
         last = dict(zip(opts, runs))
     # the last bin's run of the chosen budget is the whole chosen schedule's (nothing after it)
     chosen, lifts = _lift_idle(replay, chosen, last.get(chosen[-1]) if chosen else None)
-    chosen = _bounded(chosen or [top], floors, cands)
-    while len(chosen) > 1 and chosen[-1] == chosen[-2]:
-        chosen.pop()
+    chosen = _trimmed(_bounded(chosen or [top], floors, cands))
     total = sum(cost(k, chosen[min(k, len(chosen) - 1)]) for k in range(nbins))
     return chosen or [top], {"unmet_bins": unmet, "predicted_cost": total,
                              "replays": replays + lifts}
@@ -257,6 +255,59 @@ def raise_floors(floors: list[int], realized: dict[int, list[float]], current: l
         j = max(i for i, b in enumerate(upto) if b == least)
         out += [0] * (j + 1 - len(out))
         out[j] = max(out[j], _at_least(cands, least + 1))
+    return out
+
+
+# On-policy rounds before a lowered schedule that keeps failing gives way (``verify``).
+VERIFY_ROUNDS = 3
+
+
+def verify(sample: Callable[[list[int]], dict[int, list[float]]], proposed: list[int],
+           current: list[int], floors: list[int], candidates: list[int], threshold: float,
+           rounds: int = VERIFY_ROUNDS) -> tuple[list[int], list[int], dict]:
+    """The on-policy check of a proposal that holds less than the schedule in use in some bin.
+
+    Both planners certify on replays of sequences *sampled under the schedule in use*; a smaller
+    budget's own samples can go where dense disagrees more (measured on the reasoning task: p5
+    0.86 certified, 0.03-0.3 realised). So ``sample(schedule)`` draws fresh sequences under the
+    proposal and returns their own alphas by bin. If every (pooled) bin's p5 is >= ``threshold``
+    the proposal stands; otherwise the failure raises ``floors`` (``raise_floors``, the proposal
+    as the schedule in use) and the proposal is raised to them, for up to ``rounds`` draws. A
+    proposal that no longer lowers any bin is adopted without a draw; one still lowering after
+    the last failed round gives way: no bin goes below ``current``. Returns (schedule, floors,
+    info: rounds drawn, whether it gave way, each draw's worst-bin p5)."""
+    cands = sorted({int(c) for c in candidates})
+    sched, floors, worst = list(proposed), list(floors), []
+    for _ in range(rounds):
+        if not _lowers(sched, current):
+            break
+        realized = sample(sched)
+        worst.append(min((p5(v) for v in pooled(realized)[0].values()), default=1.0))
+        if worst[-1] >= threshold:
+            return _trimmed(sched), floors, {"rounds": len(worst), "gave_way": 0, "p5": worst}
+        floors = raise_floors(floors, realized, sched, cands, threshold)
+        sched = _bounded(sched, floors, cands)
+    gave_way = int(_lowers(sched, current))
+    if gave_way:
+        n = max(len(sched), len(current))
+        sched = [max(sched[min(k, len(sched) - 1)], current[min(k, len(current) - 1)])
+                 for k in range(n)]
+    return _trimmed(sched), floors, {"rounds": len(worst), "gave_way": gave_way, "p5": worst}
+
+
+def _lowers(schedule: list[int], current: list[int]) -> bool:
+    """Whether ``schedule`` holds less than ``current`` in some bin (each list's last budget
+    holds on)."""
+    n = max(len(schedule), len(current))
+    return any(schedule[min(k, len(schedule) - 1)] < current[min(k, len(current) - 1)]
+               for k in range(n))
+
+
+def _trimmed(schedule: list[int]) -> list[int]:
+    """``schedule`` without trailing repeats (the last budget holds on anyway)."""
+    out = list(schedule)
+    while len(out) > 1 and out[-1] == out[-2]:
+        out.pop()
     return out
 
 

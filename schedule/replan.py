@@ -11,8 +11,9 @@ def replan_schedule(pools, cfg, step: int) -> dict:
     (``rollout.kv.planner``: ``_search_schedule`` or ``_table_schedule``), sent to every rollout
     actor and kept in ``cfg.rollout.kv.budgets`` (so replacement actors and checkpoints carry
     it). Bins whose probes failed at the schedule in use raise ``rollout.kv.min_budgets`` first
-    (``schedule.plan.raise_floors``), which both planners respect. Returns the ``schedule/*``
-    metrics."""
+    (``schedule.plan.raise_floors``), which both planners respect; with
+    ``rollout.kv.verify_samples`` a schedule that lowers a bin is checked on its own samples
+    before it is adopted (``_verify``). Returns the ``schedule/*`` metrics."""
     import ray
 
     from actors.config import KVObjective, KVPlanner, KVSchedule
@@ -31,14 +32,19 @@ def replan_schedule(pools, cfg, step: int) -> dict:
     found = (_search_schedule if exact else _table_schedule)(pools, kv, per_bin)
     if found is None:
         return {"schedule/replanned": 0}
-    budgets, info, raised = found
-    ray.get([a.set_budgets.remote(budgets) for a in pools.rollout])
-    kv.budgets = list(budgets)
+    budgets, info, raised, cands = found
     out = {"schedule/replanned": 1, "schedule/unmet_bins": len(info["unmet_bins"]),
            "schedule/predicted_cost": info["predicted_cost"],
            "schedule/cost_error_step": cost.error.get("step", 0.0),
-           "schedule/cost_error_compress": cost.error.get("compress", 0.0),
-           "schedule/raised_bins": raised}
+           "schedule/cost_error_compress": cost.error.get("compress", 0.0)}
+    if kv.verify_samples:
+        before = list(kv.min_budgets)
+        budgets, checked = _verify(pools, kv, budgets, cands, step)
+        raised += _rose(before, kv.min_budgets)
+        out.update(checked)
+    ray.get([a.set_budgets.remote(budgets) for a in pools.rollout])
+    kv.budgets = list(budgets)
+    out["schedule/raised_bins"] = raised
     if exact:
         out["schedule/replays"] = info["replays"]
     out.update({f"schedule/budget_bin{k}": b for k, b in enumerate(budgets)})
@@ -53,7 +59,43 @@ def _raise_floors(kv, realized: dict, candidates: list[int]) -> int:
 
     before = list(kv.min_budgets)
     kv.min_budgets = raise_floors(before, realized, kv.bin_budgets(), candidates, kv.threshold)
-    return sum(b > (before[k] if k < len(before) else 0) for k, b in enumerate(kv.min_budgets))
+    return _rose(before, kv.min_budgets)
+
+
+def _rose(before: list[int], after: list[int]) -> int:
+    """How many bins' bounds are higher in ``after``."""
+    return sum(b > (before[k] if k < len(before) else 0) for k, b in enumerate(after))
+
+
+# Seeds of the on-policy draws: apart from every rollout batch number (the rollouts' seeds).
+_VERIFY_KEY = 10 ** 9
+
+
+def _verify(pools, kv, proposed: list[int], cands: list[int], step: int) -> tuple[list, dict]:
+    """``schedule.plan.verify``: ``rollout.kv.verify_samples`` sequences, split over the rollout
+    actors, sampled under a proposal that lowers a bin below the schedule in use; the bounds it
+    raises are kept in ``kv.min_budgets``. Returns (the schedule to adopt, its metrics)."""
+    import ray
+
+    from schedule.plan import VERIFY_ROUNDS, merge, verify
+
+    actors, n = pools.rollout, int(kv.verify_samples)
+    draws = []
+
+    def sample(schedule: list[int]) -> dict[int, list[float]]:
+        key = _VERIFY_KEY + step * VERIFY_ROUNDS + len(draws)
+        draws.append(schedule)
+        share = [n // len(actors) + (i < n % len(actors)) for i in range(len(actors))]
+        runs = ray.get([a.sample_probes.remote(schedule, k, key)
+                        for a, k in zip(actors, share) if k])
+        return merge([{0: r} for r in runs]).get(0, {})
+
+    budgets, kv.min_budgets, info = verify(sample, proposed, kv.bin_budgets(), kv.min_budgets,
+                                           cands, kv.threshold)
+    out = {"schedule/verify_rounds": info["rounds"], "schedule/verify_gave_way": info["gave_way"]}
+    if info["p5"]:
+        out["schedule/verify_p5_min"] = info["p5"][-1]
+    return budgets, out
 
 
 def _search_schedule(pools, kv, per_bin):
@@ -80,7 +122,7 @@ def _search_schedule(pools, kv, per_bin):
         cands = candidate_budgets(kv, max(s["longest"] for s in summary))
         raised = _raise_floors(kv, realized, cands)
         found = (*search(replay, cands, kv.bin_tokens, per_bin(counts), kv.threshold, kv.margin,
-                         kv.min_budgets), raised)
+                         kv.min_budgets), raised, cands)
     ray.get([a.take_probes.remote() for a in pools.rollout])     # done with them
     return found
 
@@ -100,4 +142,4 @@ def _table_schedule(pools, kv, per_bin):
     counts = {k: len(v) for k, v in next(iter(table.values())).items()}
     raised = _raise_floors(kv, realized, sorted(table))
     return (*plan(table, per_bin(counts), kv.threshold, kv.margin, realized, kv.bin_budgets(),
-                  kv.min_budgets), raised)
+                  kv.min_budgets), raised, sorted(table))

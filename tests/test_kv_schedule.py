@@ -16,7 +16,8 @@ from common.modeling import load_model
 from common.testmodels import build_model
 from correction.metrics import tv_agreement
 from schedule import cost as costmod
-from schedule.plan import bin_alphas, mean_budget, p5, plan, pooled, raise_floors, search
+from schedule.plan import (bin_alphas, mean_budget, p5, plan, pooled, raise_floors, search,
+                           verify)
 from tasks.base import Problem
 from conftest import ContainsAnswer
 
@@ -176,6 +177,30 @@ def test_actor_keeps_probe_sequences_for_the_exact_planner(model_dir):
     assert actor.probe_summary()["counts"] == {} and actor.replay_probes([[10]]) == [{}]
 
 
+def test_actor_samples_probe_prompts_under_a_proposed_schedule(model_dir):
+    """``sample_probes``: fresh samples of the latest re-plan's probe prompts at the budgets
+    asked for, their own alphas by bin (the rows' alphas when the budgets are the ones in use
+    and the seed the batch's), deterministic per key; the engine's schedule is left as it was."""
+    cfg = RolloutConfig(model_path=model_dir, samples_per_prompt=4, max_new_tokens=16,
+                        kv=kv(budget=10, bin_tokens=8, schedule="dynamic", probe_share=0.25,
+                              probe_budgets=[6, 10, 40], verify_samples=4))
+    actor = RolloutActor(cfg, task_cfg=None, model_path=model_dir)
+    actor._task = ContainsAnswer()
+    problems = [Problem(0, "hello there", "x"), Problem(1, "abcdefghijkl", "y")]
+    assert actor.sample_probes([6], 4, key=7) == {}      # no re-plan batch yet
+    actor.rollout(problems, version=0, batch=5)
+    small = actor.sample_probes([6], 4, key=7)
+    assert actor.engine.budgets == [10]
+    assert small == actor.sample_probes([6], 4, key=7)    # the key fixes the draw
+    assert sum(map(len, small.values())) > 0
+    assert all(0.0 <= x <= 1.0 + 1e-6 for v in small.values() for x in v)
+    dense = actor.sample_probes([40], 4, key=7)          # never compresses: exactly dense
+    assert all(x == pytest.approx(1.0, abs=1e-6) for v in dense.values() for x in v)
+    assert min(x for v in small.values() for x in v) < 1.0 - 1e-3
+    actor.take_probes()                                   # the prompts outlive the probes
+    assert actor.sample_probes([6], 4, key=7) == small
+
+
 def test_schedule_config_errors():
     with pytest.raises(ConfigError, match="rollout.kv.probe_share"):
         kv(schedule="dynamic").validate()
@@ -190,6 +215,11 @@ def test_schedule_config_errors():
     with pytest.raises(ConfigError, match="rollout.kv.min_budgets"):
         kv(schedule="dynamic", probe_share=0.5, min_budgets=[16, -1]).validate()
     kv(schedule="dynamic", probe_share=0.5, min_budgets=[0, 16]).validate()
+    with pytest.raises(ConfigError, match="rollout.kv.verify_samples"):
+        kv(verify_samples=8).validate()        # static: nothing reads it
+    with pytest.raises(ConfigError, match="rollout.kv.verify_samples"):
+        kv(schedule="dynamic", probe_share=0.5, verify_samples=-1).validate()
+    kv(schedule="dynamic", probe_share=0.5, verify_samples=8).validate()
     with pytest.raises(ConfigError, match="rollout.kv.obs_window"):
         kv(budgets=[12, 3]).validate()
     with pytest.raises(ConfigError, match="rollout.kv.budgets"):
@@ -356,6 +386,45 @@ def test_floors_bound_both_planners():
                         floors=[20])
     assert budgets[0] == 24 and all(p5(v) >= 0.86 for v in
                                     irreversible_replay([budgets])[0].values())
+
+
+def on_policy_sampler(needs: dict[int, int]):
+    """A stand-in for fresh samples under a schedule: bin k fails (p5 0.2) while a bin from 2
+    up to it holds less than ``needs[k]`` (bins 0 and 1: the kept prompt, never binding);
+    records the schedules drawn."""
+    ok, bad = [0.99] * 20, [0.99] * 18 + [0.2] * 2
+    drawn = []
+
+    def sample(schedule):
+        drawn.append(list(schedule))
+        at = [schedule[min(j, len(schedule) - 1)] for j in range(6)]
+        return {k: bad if k >= 2 and min(at[2:k + 1]) < needs.get(k, 0) else ok
+                for k in range(6)}
+    return sample, drawn
+
+
+def test_verify_checks_a_lowered_schedule_on_its_own_samples():
+    cands = [45, 90, 180, 400]
+    # the replays certified 45 in bin 4; its own samples fail in bin 5 (needs 90 up to there):
+    # bin 4's bound rises, the raised proposal passes on the next draw
+    sample, drawn = on_policy_sampler({5: 90})
+    got, floors, info = verify(sample, [45, 45, 90, 90, 45, 90], [90], [0, 45], cands, 0.86)
+    assert got == [45, 45, 90] and floors == [0, 45, 0, 0, 90]
+    assert drawn == [[45, 45, 90, 90, 45, 90], [45, 45, 90, 90, 90, 90]]
+    assert info == {"rounds": 2, "gave_way": 0, "p5": [pytest.approx(0.2), 0.99]}
+    # a passing proposal is adopted after one draw; one lowering nothing is adopted unchecked
+    sample, drawn = on_policy_sampler({})
+    assert verify(sample, [45, 90], [90], [], cands, 0.86)[0] == [45, 90] and len(drawn) == 1
+    assert verify(sample, [90, 180], [90], [], cands, 0.86)[2]["rounds"] == 0
+    assert len(drawn) == 1
+    # still failing after the last round: no bin goes below the schedule in use, the bounds
+    # raised on the way are kept
+    sample, drawn = on_policy_sampler({3: 400})
+    got, floors, info = verify(sample, [45, 45, 45, 90], [90, 90, 90, 180], [], cands, 0.86,
+                               rounds=2)
+    assert info["gave_way"] == 1 and info["rounds"] == 2 and len(drawn) == 2
+    assert got == [90, 90, 90, 180] and floors == [0, 90, 90]
+    assert drawn[1] == [45, 45, 90, 90]         # round 2: bin 2 (the last 45 up to bin 3) raised
 
 
 def test_bin_alphas_and_mean_budget():

@@ -17,10 +17,14 @@ REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("planner", ["exact", "table"])
-def test_dynamic_schedule_replans_and_checkpoints(tiny_model, tmp_path, planner):
+# table: the on-policy check on, and a threshold low enough that a re-plan lowers a bin below
+# the starting budget (16), so it draws samples under the proposal
+@pytest.mark.parametrize("planner,verify,threshold", [("exact", 0, 0.86), ("table", 4, 0.02)])
+def test_dynamic_schedule_replans_and_checkpoints(tiny_model, tmp_path, planner, verify,
+                                                  threshold):
     args = [f"rollout.model_path={tiny_model}", "run.steps=2", *SMALL_JOB,
-            f"rollout.kv.planner={planner}",
+            f"rollout.kv.planner={planner}", f"rollout.kv.verify_samples={verify}",
+            f"rollout.kv.threshold={threshold}",
             "rollout.num_actors=1", "rollout.kv.schedule=dynamic", "rollout.kv.probe_share=0.25",
             "rollout.kv.replan_every=1", "rollout.kv.bin_tokens=8",
             "rollout.kv.probe_budgets=[8,16,48]", "rollout.kv.objective=memory",
@@ -44,6 +48,12 @@ def test_dynamic_schedule_replans_and_checkpoints(tiny_model, tmp_path, planner)
         assert 0.0 <= r["mismatch/probe_agreement_p5_min_bin"] <= 1.0
         assert r["rollout/kv_budget_mean"] > 0
         assert r["schedule/raised_bins"] >= 0
+        # the on-policy check: drawn only for a re-plan lowering a bin below the one in use
+        assert ("schedule/verify_rounds" in r) == bool(verify)
+        if verify and r["schedule/verify_rounds"]:
+            assert 0.0 <= r["schedule/verify_p5_min"] <= 1.0
+    if verify:      # step 1 lowered the starting 16 somewhere: its samples were drawn
+        assert steps[0]["schedule/verify_rounds"] >= 1
     # step 2's rollouts were generated after step 1's re-plan, with its budgets
     first = [steps[0][f"schedule/budget_bin{k}"] for k in range(8) if
              f"schedule/budget_bin{k}" in steps[0]]
