@@ -112,8 +112,8 @@ class KVConfig:
     # (``schedule.plan.raise_floors``; kept here, like ``budgets``, so checkpoints carry it).
     min_budgets: list[int] = field(default_factory=list)
     # Sequences sampled under a re-plan that lowers any bin below the schedule in use, to check
-    # it on its own samples before it is adopted (``schedule.plan.verify``); 0: adopt on the
-    # replays alone.
+    # it on its own samples before it is adopted (dynamic, as replan_every and threshold:
+    # ``schedule.plan.verify``); 0: adopt on the replays alone.
     verify_samples: int = 0
     planner: KVPlanner = KVPlanner.exact         # how it searches (dynamic; schedule/plan.py)
 
@@ -159,10 +159,6 @@ class KVConfig:
                               f"empty with {prefix}.schedule={schedule.value} (only the dynamic "
                               f"re-planner reads it)")
         check_range(f"{prefix}.verify_samples", self.verify_samples, lo=0)
-        if self.verify_samples and schedule != KVSchedule.dynamic:
-            raise ConfigError(f"{prefix}.verify_samples", self.verify_samples,
-                              f"0 with {prefix}.schedule={schedule.value} (only the dynamic "
-                              f"re-planner reads it)")
         check_range(f"{prefix}.probe_share", self.probe_share, lo=0.0, hi=1.0)
         check_range(f"{prefix}.threshold", self.threshold, lo=0.0, hi=1.0, lo_open=True)
         check_range(f"{prefix}.margin", self.margin, lo=0.0, hi=1.0)
