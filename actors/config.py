@@ -103,6 +103,9 @@ class KVConfig:
     # Candidate budgets (dynamic); empty: every half bin up to the longest sequence.
     probe_budgets: list[int] = field(default_factory=list)
     threshold: float = 0.86         # min per-bin p5 of probe agreement (Sparrow: 0.85-0.90 stable)
+    # The per-bin tail statistic's quantile (Sparrow's: 0.05, the p5 above); smaller looks at the
+    # rarer tokens where a sparse sampler goes wrong (dynamic; ``schedule.plan.tail``).
+    quantile: float = 0.05
     margin: float = 0.0             # added to threshold when planning (probes are a sample)
     replan_every: int = 5           # training steps between re-plans (dynamic)
     protect_prompt: bool = False    # compression never evicts prompt tokens (they count in budget)
@@ -161,6 +164,7 @@ class KVConfig:
         check_range(f"{prefix}.verify_samples", self.verify_samples, lo=0)
         check_range(f"{prefix}.probe_share", self.probe_share, lo=0.0, hi=1.0)
         check_range(f"{prefix}.threshold", self.threshold, lo=0.0, hi=1.0, lo_open=True)
+        check_range(f"{prefix}.quantile", self.quantile, lo=0.0, hi=0.5, lo_open=True)
         check_range(f"{prefix}.margin", self.margin, lo=0.0, hi=1.0)
         check_range(f"{prefix}.replan_every", self.replan_every, lo=1)
         _enum(f"{prefix}.objective", KVObjective, self.objective)

@@ -1,8 +1,8 @@
 """Choosing a KV budget per position bin from probes (pure and deterministic).
 
 The statistic is Sparrow's: the 5th percentile of alpha in a bin (``correction.metrics.
-sparrow_tail``) over probe tokens (bin = position // bin_tokens, prompt included); a schedule
-passes a bin when it is >= threshold + margin. Two planners (``rollout.kv.planner``):
+sparrow_tail``; another quantile with ``rollout.kv.quantile``) over probe tokens (bin = position
+// bin_tokens, prompt included); a schedule passes a bin when it is >= threshold + margin. Two planners (``rollout.kv.planner``):
 
 ``search`` (exact): bins are decided in order. For bin k every candidate budget b is tried as
 ``chosen[:k] + [b] + [top, top, ...]`` (``top``: the largest candidate, which evicts least) by
@@ -45,9 +45,14 @@ import torch
 from correction.metrics import SPARROW_QUANTILE, sparrow_tail
 
 
-# A 5th percentile of fewer than 1/0.05 values is just their minimum: a bin with fewer probe
-# tokens (the long tail of lengths) is pooled with the bin before it (``pooled``).
-MIN_BIN_TOKENS = round(1 / SPARROW_QUANTILE)
+def min_tokens(quantile: float) -> int:
+    """The fewest alphas a bin is judged on alone at ``quantile``: a q-quantile of fewer than 1/q
+    values is just their minimum, so a bin with fewer probe tokens (the long tail of lengths) is
+    pooled with the bin before it (``pooled``)."""
+    return round(1 / quantile)
+
+
+MIN_BIN_TOKENS = min_tokens(SPARROW_QUANTILE)
 
 
 def pooled(by_bin: dict[int, list[float]], min_tokens: int = MIN_BIN_TOKENS
@@ -68,10 +73,11 @@ def pooled(by_bin: dict[int, list[float]], min_tokens: int = MIN_BIN_TOKENS
     return out, joined
 
 
-def p5(alphas: list[float]) -> float:
-    """Sparrow's tail statistic of one bin's alphas (1.0 for none)."""
+def tail(alphas: list[float], quantile: float = SPARROW_QUANTILE) -> float:
+    """The tail statistic of one bin's alphas, their ``quantile``-quantile (Sparrow's: the 5th
+    percentile; ``rollout.kv.quantile``); 1.0 for none."""
     t = torch.tensor(alphas, dtype=torch.float64)
-    return sparrow_tail(t, torch.ones_like(t, dtype=torch.bool))
+    return sparrow_tail(t, torch.ones_like(t, dtype=torch.bool), quantile)
 
 
 def bin_alphas(prompt_lens: list[int], alphas: list[list[float]], bin_tokens: int
@@ -86,7 +92,7 @@ def bin_alphas(prompt_lens: list[int], alphas: list[list[float]], bin_tokens: in
 
 def bin_stats(by_bin: dict[int, list[float]]) -> dict[int, dict[str, float]]:
     """{bin: {p5, mean, tokens}} of grouped alphas."""
-    return {k: {"p5": p5(v), "mean": sum(v) / len(v), "tokens": len(v)}
+    return {k: {"p5": tail(v), "mean": sum(v) / len(v), "tokens": len(v)}
             for k, v in sorted(by_bin.items()) if v}
 
 
@@ -104,34 +110,35 @@ def merge(tables: list[dict]) -> dict[int, dict[int, list[float]]]:
 
 def plan(table: dict[int, dict[int, list[float]]], cost: Callable[[int, int], float],
          threshold: float, margin: float = 0.0, realized: dict[int, list[float]] | None = None,
-         current: list[int] | None = None, floors: list[int] | None = None
-         ) -> tuple[list[int], dict]:
-    """The cheapest non-increasing budget per bin whose probe p5 passes every probed bin.
+         current: list[int] | None = None, floors: list[int] | None = None,
+         quantile: float = SPARROW_QUANTILE) -> tuple[list[int], dict]:
+    """The cheapest non-increasing budget per bin whose probe tail (the ``quantile``-quantile of
+    alpha; Sparrow's p5 by default) passes every probed bin.
 
     ``realized``: {bin: alphas} of probes at the ``current`` schedule; a bin below ``threshold``
     there excludes budgets <= its current one; ``floors[k]`` excludes budgets below it in bin k.
-    Bins with fewer than ``MIN_BIN_TOKENS`` alphas are judged pooled with the bin before them and
-    get at least that bin's budget. Returns (budgets
-    per bin, trailing repeats dropped; info: per-bin lower bounds, bins where nothing passed, the
-    schedule's summed cost)."""
+    Bins with fewer than ``min_tokens(quantile)`` alphas are judged pooled with the bin before
+    them and get at least that bin's budget. Returns (budgets per bin, trailing repeats dropped;
+    info: per-bin lower bounds, bins where nothing passed, the schedule's summed cost)."""
     budgets = sorted(table)
     if not budgets:
         raise ValueError("plan: empty probe table")
     nbins = max(k for cells in table.values() for k in cells) + 1
-    joined = pooled(table[budgets[0]])[1]   # every budget replays the same probe tokens
-    table = {b: pooled(cells)[0] for b, cells in table.items()}
-    realized, rjoined = pooled(realized or {})
+    few = min_tokens(quantile)
+    joined = pooled(table[budgets[0]], few)[1]   # every budget replays the same probe tokens
+    table = {b: pooled(cells, few)[0] for b, cells in table.items()}
+    realized, rjoined = pooled(realized or {}, few)
     bins = sorted({k for cells in table.values() for k in cells})
     need = threshold + margin
     floor = {}
     for k in bins:
-        ok = [b for b in budgets if k in table[b] and p5(table[b][k]) >= need]
-        if current is not None and k in realized and p5(realized[k]) < threshold:
+        ok = [b for b in budgets if k in table[b] and tail(table[b][k], quantile) >= need]
+        if current is not None and k in realized and tail(realized[k], quantile) < threshold:
             now = current[min(k, len(current) - 1)]
             ok = [b for b in ok if b > now]
         floor[k] = ok[0] if ok else budgets[-1]
     unmet = [k for k in bins if floor[k] == budgets[-1] and
-             not p5(table[budgets[-1]].get(k, [1.0])) >= need]
+             not tail(table[budgets[-1]].get(k, [1.0]), quantile) >= need]
     for k, bound in enumerate(floors or []):
         if bound > budgets[0]:      # the smallest candidate at or above the bound
             floor[k] = max(floor.get(k, budgets[0]), _at_least(budgets, bound))
@@ -147,8 +154,8 @@ def plan(table: dict[int, dict[int, list[float]]], cost: Callable[[int, int], fl
             tails = [cs for bb, cs in nxt.items() if bb <= b] if k < nbins - 1 else [(0.0, [])]
             if not tails:
                 continue
-            tail = min(tails, key=lambda cs: (cs[0], cs[1]))
-            best[b] = (cost(k, b) + tail[0], [b] + tail[1])
+            rest = min(tails, key=lambda cs: (cs[0], cs[1]))
+            best[b] = (cost(k, b) + rest[0], [b] + rest[1])
     total, schedule = min(best.values(), key=lambda cs: (cs[0], cs[1]))
     schedule = _trimmed(_bounded(schedule, floors, budgets))
     return schedule, {"floor": floor, "unmet_bins": unmet, "predicted_cost": total}
@@ -172,22 +179,23 @@ def _at_least(cands: list[int], bound: int) -> int:
 
 def search(replay: Callable[[list[list[int]]], list[dict[int, list[float]]]],
            candidates: list[int], bin_tokens: int, cost: Callable[[int, int], float],
-           threshold: float, margin: float = 0.0, floors: list[int] | None = None
-           ) -> tuple[list[int], dict]:
+           threshold: float, margin: float = 0.0, floors: list[int] | None = None,
+           quantile: float = SPARROW_QUANTILE) -> tuple[list[int], dict]:
     """The exact planner (module docstring). ``replay(schedules)``: for each schedule (budget per
-    bin), the probes' alphas grouped by bin; ``floors[k]``: no budget below it in bin k. Returns
+    bin), the probes' alphas grouped by bin; ``floors[k]``: no budget below it in bin k;
+    ``quantile``: the tail statistic's (Sparrow's p5 by default). Returns
     (budgets per bin, trailing repeats dropped; info: bins that fail even at ``top``, the
     schedule's summed cost, replays run)."""
     cands = sorted({int(b) for b in candidates})
     if not cands:
         raise ValueError("search: no candidate budgets")
-    top, need = cands[-1], threshold + margin
+    top, need, few = cands[-1], threshold + margin, min_tokens(quantile)
 
     def judged(by_bin: dict[int, list[float]]) -> dict[int, float]:
-        return {k: p5(v) for k, v in pooled(by_bin)[0].items()}
+        return {k: tail(v, quantile) for k, v in pooled(by_bin, few)[0].items()}
 
     first = judged(at_top := replay([[top]])[0])
-    joined = pooled(at_top)[1]      # every schedule replays the same probe tokens
+    joined = pooled(at_top, few)[1]      # every schedule replays the same probe tokens
     nbins = max(at_top, default=-1) + 1
     unmet = sorted(k for k, v in first.items() if v < need)
     # a bin that fails even at ``top`` must do no worse than there
@@ -237,9 +245,10 @@ def _lift_idle(replay, chosen: list[int], ref: dict | None) -> tuple[list[int], 
 
 
 def raise_floors(floors: list[int], realized: dict[int, list[float]], current: list[int],
-                 candidates: list[int], threshold: float) -> list[int]:
+                 candidates: list[int], threshold: float,
+                 quantile: float = SPARROW_QUANTILE) -> list[int]:
     """``floors`` (per-bin lower bounds, 0: none) raised from the probes' own alphas at the
-    schedule in use (``realized``, by bin; bins of too few tokens pooled). A bin k whose p5 is
+    schedule in use (``realized``, by bin; bins of too few tokens pooled). A bin k whose tail is
     below ``threshold`` failed under every eviction up to its end, which cannot be undone; the
     likeliest cause is the smallest budget among bins 0..k, and of the bins holding it the last
     (it compressed the most tokens; with one budget throughout, bin k itself, the ``table``
@@ -247,8 +256,8 @@ def raise_floors(floors: list[int], realized: dict[int, list[float]], current: l
     none is above); a failure that persists walks back to the next one. Bounds only ever rise."""
     cands = sorted({int(c) for c in candidates})
     out = list(floors)
-    for k, alphas in sorted(pooled(realized)[0].items()):
-        if p5(alphas) >= threshold:
+    for k, alphas in sorted(pooled(realized, min_tokens(quantile))[0].items()):
+        if tail(alphas, quantile) >= threshold:
             continue
         upto = [current[min(j, len(current) - 1)] for j in range(k + 1)]
         least = min(upto)
@@ -264,7 +273,8 @@ VERIFY_ROUNDS = 3
 
 def verify(sample: Callable[[list[int]], dict[int, list[float]]], proposed: list[int],
            current: list[int], floors: list[int], candidates: list[int], threshold: float,
-           rounds: int = VERIFY_ROUNDS) -> tuple[list[int], list[int], dict]:
+           rounds: int = VERIFY_ROUNDS, quantile: float = SPARROW_QUANTILE
+           ) -> tuple[list[int], list[int], dict]:
     """The on-policy check of a proposal that holds less than the schedule in use in some bin.
 
     Both planners certify on replays of sequences *sampled under the schedule in use*; a smaller
@@ -282,10 +292,11 @@ def verify(sample: Callable[[list[int]], dict[int, list[float]]], proposed: list
         if not _lowers(sched, current):
             break
         realized = sample(sched)
-        worst.append(min((p5(v) for v in pooled(realized)[0].values()), default=1.0))
+        worst.append(min((tail(v, quantile) for v in
+                          pooled(realized, min_tokens(quantile))[0].values()), default=1.0))
         if worst[-1] >= threshold:
             return _trimmed(sched), floors, {"rounds": len(worst), "gave_way": 0, "p5": worst}
-        floors = raise_floors(floors, realized, sched, cands, threshold)
+        floors = raise_floors(floors, realized, sched, cands, threshold, quantile)
         sched = _bounded(sched, floors, cands)
     gave_way = int(_lowers(sched, current))
     if gave_way:

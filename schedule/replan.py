@@ -58,7 +58,8 @@ def _raise_floors(kv, realized: dict, candidates: list[int]) -> int:
     from schedule.plan import raise_floors
 
     before = list(kv.min_budgets)
-    kv.min_budgets = raise_floors(before, realized, kv.bin_budgets(), candidates, kv.threshold)
+    kv.min_budgets = raise_floors(before, realized, kv.bin_budgets(), candidates, kv.threshold,
+                                  kv.quantile)
     return _rose(before, kv.min_budgets)
 
 
@@ -91,7 +92,7 @@ def _verify(pools, kv, proposed: list[int], cands: list[int], step: int) -> tupl
         return merge([{0: r} for r in runs]).get(0, {})
 
     budgets, kv.min_budgets, info = verify(sample, proposed, kv.bin_budgets(), kv.min_budgets,
-                                           cands, kv.threshold)
+                                           cands, kv.threshold, quantile=kv.quantile)
     out = {"schedule/verify_rounds": info["rounds"], "schedule/verify_gave_way": info["gave_way"]}
     if info["p5"]:
         out["schedule/verify_p5_min"] = info["p5"][-1]
@@ -122,7 +123,7 @@ def _search_schedule(pools, kv, per_bin):
         cands = candidate_budgets(kv, max(s["longest"] for s in summary))
         raised = _raise_floors(kv, realized, cands)
         found = (*search(replay, cands, kv.bin_tokens, per_bin(counts), kv.threshold, kv.margin,
-                         kv.min_budgets), raised, cands)
+                         kv.min_budgets, kv.quantile), raised, cands)
     ray.get([a.take_probes.remote() for a in pools.rollout])     # done with them
     return found
 
@@ -142,4 +143,4 @@ def _table_schedule(pools, kv, per_bin):
     counts = {k: len(v) for k, v in next(iter(table.values())).items()}
     raised = _raise_floors(kv, realized, sorted(table))
     return (*plan(table, per_bin(counts), kv.threshold, kv.margin, realized, kv.bin_budgets(),
-                  kv.min_budgets), raised, sorted(table))
+                  kv.min_budgets, kv.quantile), raised, sorted(table))

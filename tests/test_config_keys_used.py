@@ -104,6 +104,7 @@ USED = {
     "rollout.kv.planner": "schedule/replan.py",
     "rollout.kv.min_budgets": "schedule/replan.py",
     "rollout.kv.verify_samples": "schedule/replan.py",
+    "rollout.kv.quantile": "schedule/replan.py",
     "rollout.dense_logprobs": "actors/rollout.py",
     "rollout.dense_micro_batch": "actors/rollout.py",
     "rollout.vllm.gpu_memory_utilization": "actors/vllm/engine.py",

@@ -16,8 +16,8 @@ from common.modeling import load_model
 from common.testmodels import build_model
 from correction.metrics import tv_agreement
 from schedule import cost as costmod
-from schedule.plan import (bin_alphas, mean_budget, p5, plan, pooled, raise_floors, search,
-                           verify)
+from schedule.plan import (bin_alphas, mean_budget, min_tokens, plan, pooled, raise_floors,
+                           search, tail, verify)
 from tasks.base import Problem
 from conftest import ContainsAnswer
 
@@ -221,6 +221,9 @@ def test_schedule_config_errors():
     # like replan_every and threshold, a re-planner setting a static run leaves unread: accepted,
     # so bench/compare.py can pass it to every arm
     kv(verify_samples=8).validate()
+    for q in (0.0, 0.6):
+        with pytest.raises(ConfigError, match="rollout.kv.quantile"):
+            kv(schedule="dynamic", probe_share=0.5, quantile=q).validate()
     with pytest.raises(ConfigError, match="rollout.kv.obs_window"):
         kv(budgets=[12, 3]).validate()
     with pytest.raises(ConfigError, match="rollout.kv.budgets"):
@@ -306,8 +309,8 @@ def test_exact_search_certifies_growing_schedules():
     replay = lambda s: irreversible_replay(s, log)  # noqa: E731
     budgets, info = search(replay, [8, 16, 24, 32], 8, linear_cost, 0.86)
     assert budgets == [16, 16, 16, 24] and info["unmet_bins"] == []
-    assert all(p5(v) >= 0.86 for v in irreversible_replay([budgets])[0].values())
-    assert p5(irreversible_replay([[8, 8, 16, 24]])[0][3]) < 0.86
+    assert all(tail(v) >= 0.86 for v in irreversible_replay([budgets])[0].values())
+    assert tail(irreversible_replay([[8, 8, 16, 24]])[0][3]) < 0.86
     table = {b: irreversible_replay([[b]])[0] for b in (8, 16, 24, 32)}
     assert plan(table, linear_cost, 0.86)[0] == [24]
     # one replay at the top, then per bin the budgets that can evict there and the smallest that
@@ -385,8 +388,31 @@ def test_floors_bound_both_planners():
     assert plan(_table(), linear_cost, 0.86, floors=[0, 0, 0, 0, 32])[0] == [24, 24, 16, 16, 32]
     budgets, _ = search(irreversible_replay, [8, 16, 24, 32], 8, linear_cost, 0.86,
                         floors=[20])
-    assert budgets[0] == 24 and all(p5(v) >= 0.86 for v in
+    assert budgets[0] == 24 and all(tail(v) >= 0.86 for v in
                                     irreversible_replay([budgets])[0].values())
+
+
+def test_a_lower_quantile_sees_the_rare_bad_tokens():
+    """Four bad tokens in two hundred: the 5th percentile passes, the 1st does not. Each planner
+    and the bounds judge by ``quantile`` (``rollout.kv.quantile``)."""
+    rare, ok = [0.99] * 196 + [0.1] * 4, [0.99] * 200
+    assert tail(rare) >= 0.86 > tail(rare, 0.01)
+    table = {8: {0: ok, 1: rare}, 16: {0: ok, 1: ok}}
+    assert plan(table, linear_cost, 0.86)[0] == [8]
+    assert plan(table, linear_cost, 0.86, quantile=0.01)[0] == [16]
+    # a bin of 50 tokens: judged alone for a 5th percentile, with the bin before for a 1st
+    assert pooled({0: ok, 1: ok[:50]}, min_tokens(0.05))[1] == {}
+    assert pooled({0: ok, 1: ok[:50]}, min_tokens(0.01))[1] == {1: 0}
+
+    def replay(schedules):
+        return [{0: ok, 1: rare if min(s) < 16 else ok} for s in schedules]
+    assert search(replay, [8, 16], 8, linear_cost, 0.86)[0] == [8]
+    assert search(replay, [8, 16], 8, linear_cost, 0.86, quantile=0.01)[0] == [16]
+    assert raise_floors([], {1: rare}, [8], [8, 16], 0.86) == []
+    assert raise_floors([], {1: rare}, [8], [8, 16], 0.86, 0.01) == [0, 16]
+    sample = lambda schedule: replay([schedule])[0]    # noqa: E731
+    assert verify(sample, [8], [16], [], [8, 16], 0.86)[0] == [8]
+    assert verify(sample, [8], [16], [], [8, 16], 0.86, quantile=0.01)[0] == [16]
 
 
 def on_policy_sampler(needs: dict[int, int]):
