@@ -2,7 +2,8 @@
 
 The statistic is Sparrow's: the 5th percentile of alpha in a bin (``correction.metrics.
 sparrow_tail``; another quantile with ``rollout.kv.quantile``) over probe tokens (bin = position
-// bin_tokens, prompt included); a schedule passes a bin when it is >= threshold + margin. Two planners (``rollout.kv.planner``):
+// bin_tokens, prompt included); a schedule passes a bin when it is >= threshold + margin. Two
+planners (``rollout.kv.planner``):
 
 ``search`` (exact): bins are decided in order. For bin k every candidate budget b is tried as
 ``chosen[:k] + [b] + [top, top, ...]`` (``top``: the largest candidate, which evicts least) by
@@ -134,7 +135,7 @@ def plan(table: dict[int, dict[int, list[float]]], cost: Callable[[int, int], fl
     for k in bins:
         ok = [b for b in budgets if k in table[b] and tail(table[b][k], quantile) >= need]
         if current is not None and k in realized and tail(realized[k], quantile) < threshold:
-            now = current[min(k, len(current) - 1)]
+            now = _at(current, k)
             ok = [b for b in ok if b > now]
         floor[k] = ok[0] if ok else budgets[-1]
     unmet = [k for k in bins if floor[k] == budgets[-1] and
@@ -168,8 +169,13 @@ def _bounded(schedule: list[int], floors: list[int] | None, cands: list[int]) ->
     which only keeps more."""
     floors = floors or []
     n = max(len(schedule), len(floors))
-    return [max(schedule[min(k, len(schedule) - 1)],
+    return [max(_at(schedule, k),
                 _at_least(cands, floors[k]) if k < len(floors) else 0) for k in range(n)]
+
+
+def _at(schedule: list[int], k: int) -> int:
+    """The budget ``schedule`` gives bin ``k`` (its last budget holds on past its end)."""
+    return schedule[min(k, len(schedule) - 1)]
 
 
 def _at_least(cands: list[int], bound: int) -> int:
@@ -220,7 +226,7 @@ def search(replay: Callable[[list[list[int]]], list[dict[int, list[float]]]],
     # the last bin's run of the chosen budget is the whole chosen schedule's (nothing after it)
     chosen, lifts = _lift_idle(replay, chosen, last.get(chosen[-1]) if chosen else None)
     chosen = _trimmed(_bounded(chosen or [top], floors, cands))
-    total = sum(cost(k, chosen[min(k, len(chosen) - 1)]) for k in range(nbins))
+    total = sum(cost(k, _at(chosen, k)) for k in range(nbins))
     return chosen or [top], {"unmet_bins": unmet, "predicted_cost": total,
                              "replays": replays + lifts}
 
@@ -259,7 +265,7 @@ def raise_floors(floors: list[int], realized: dict[int, list[float]], current: l
     for k, alphas in sorted(pooled(realized, min_tokens(quantile))[0].items()):
         if tail(alphas, quantile) >= threshold:
             continue
-        upto = [current[min(j, len(current) - 1)] for j in range(k + 1)]
+        upto = [_at(current, j) for j in range(k + 1)]
         least = min(upto)
         j = max(i for i, b in enumerate(upto) if b == least)
         out += [0] * (j + 1 - len(out))
@@ -280,12 +286,13 @@ def verify(sample: Callable[[list[int]], dict[int, list[float]]], proposed: list
     Both planners certify on replays of sequences *sampled under the schedule in use*; a smaller
     budget's own samples can go where dense disagrees more (measured on the reasoning task: p5
     0.86 certified, 0.03-0.3 realised). So ``sample(schedule)`` draws fresh sequences under the
-    proposal and returns their own alphas by bin. If every (pooled) bin's p5 is >= ``threshold``
-    the proposal stands; otherwise the failure raises ``floors`` (``raise_floors``, the proposal
-    as the schedule in use) and the proposal is raised to them, for up to ``rounds`` draws. A
-    proposal that no longer lowers any bin is adopted without a draw; one still lowering after
-    the last failed round gives way: no bin goes below ``current``. Returns (schedule, floors,
-    info: rounds drawn, whether it gave way, each draw's worst-bin p5)."""
+    proposal and returns their own alphas by bin. If every (pooled) bin's tail (``quantile``; p5
+    by default) is >= ``threshold`` the proposal stands; otherwise the failure raises ``floors``
+    (``raise_floors``, the proposal as the schedule in use) and the proposal is raised to them,
+    for up to ``rounds`` draws. A proposal that no longer lowers any bin is adopted without a
+    draw; one still lowering after the last failed round gives way: no bin goes below
+    ``current``. Returns (schedule, floors, info: rounds drawn, whether it gave way, each draw's
+    worst-bin tail under the key "p5")."""
     cands = sorted({int(c) for c in candidates})
     sched, floors, worst = list(proposed), list(floors), []
     for _ in range(rounds):
@@ -301,7 +308,7 @@ def verify(sample: Callable[[list[int]], dict[int, list[float]]], proposed: list
     gave_way = int(_lowers(sched, current))
     if gave_way:
         n = max(len(sched), len(current))
-        sched = [max(sched[min(k, len(sched) - 1)], current[min(k, len(current) - 1)])
+        sched = [max(_at(sched, k), _at(current, k))
                  for k in range(n)]
     return _trimmed(sched), floors, {"rounds": len(worst), "gave_way": gave_way, "p5": worst}
 
@@ -310,7 +317,7 @@ def _lowers(schedule: list[int], current: list[int]) -> bool:
     """Whether ``schedule`` holds less than ``current`` in some bin (each list's last budget
     holds on)."""
     n = max(len(schedule), len(current))
-    return any(schedule[min(k, len(schedule) - 1)] < current[min(k, len(current) - 1)]
+    return any(_at(schedule, k) < _at(current, k)
                for k in range(n))
 
 
@@ -325,5 +332,5 @@ def _trimmed(schedule: list[int]) -> list[int]:
 def mean_budget(schedule: list[int], by_bin_tokens: dict[int, int]) -> float:
     """Token-weighted mean budget of a schedule over bins holding ``by_bin_tokens`` tokens."""
     total = sum(by_bin_tokens.values())
-    return sum(schedule[min(k, len(schedule) - 1)] * n
+    return sum(_at(schedule, k) * n
                for k, n in by_bin_tokens.items()) / max(total, 1)

@@ -4,6 +4,8 @@ the rollout actors' probes and the engine's cost model give the next KV budget p
 """
 from __future__ import annotations
 
+import itertools
+
 
 def replan_schedule(pools, cfg, step: int) -> dict:
     """``rollout.kv.schedule=dynamic``: every ``replan_every`` steps, the rollout actors' probes
@@ -81,12 +83,11 @@ def _verify(pools, kv, proposed: list[int], cands: list[int], step: int) -> tupl
     from schedule.plan import VERIFY_ROUNDS, merge, verify
 
     actors, n = pools.rollout, int(kv.verify_samples)
-    draws = []
+    share = [n // len(actors) + (i < n % len(actors)) for i in range(len(actors))]
+    draw = itertools.count(_VERIFY_KEY + step * VERIFY_ROUNDS)    # one seed key per draw
 
     def sample(schedule: list[int]) -> dict[int, list[float]]:
-        key = _VERIFY_KEY + step * VERIFY_ROUNDS + len(draws)
-        draws.append(schedule)
-        share = [n // len(actors) + (i < n % len(actors)) for i in range(len(actors))]
+        key = next(draw)
         runs = ray.get([a.sample_probes.remote(schedule, k, key)
                         for a, k in zip(actors, share) if k])
         return merge([{0: r} for r in runs]).get(0, {})
