@@ -7,7 +7,7 @@ values, nested sections use ``default_factory``. ``validate(prefix)`` raises
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 from common.dtypes import Dtype
 from common.errors import ConfigError
@@ -71,6 +71,12 @@ def _coerce(obj, prefix: str, fields: dict) -> None:
         value = getattr(obj, key)
         if isinstance(value, str) and not isinstance(value, cls):
             setattr(obj, key, _enum(f"{prefix}.{key}", cls, value))
+
+
+# rollout.kv keys only the dynamic re-planner reads (schedule/replan.py): with
+# schedule=static each must keep its default, or it would validate and do nothing
+REPLAN_KEYS = ("probe_budgets", "threshold", "quantile", "margin", "replan_every", "objective",
+               "min_budgets", "verify_samples", "planner")
 
 
 @dataclass
@@ -157,10 +163,14 @@ class KVConfig:
             if not isinstance(value, (list, tuple)) or not all(
                     isinstance(b, int) and not isinstance(b, bool) and b >= lo for b in value):
                 raise ConfigError(f"{prefix}.{key}", value, f"a list of integers >= {lo}")
-        if self.min_budgets and schedule != KVSchedule.dynamic:
-            raise ConfigError(f"{prefix}.min_budgets", self.min_budgets,
-                              f"empty with {prefix}.schedule={schedule.value} (only the dynamic "
-                              f"re-planner reads it)")
+        if schedule != KVSchedule.dynamic:
+            plain = lambda v: getattr(v, "value", v)  # noqa: E731  (an enum member: its value)
+            for f in fields(self):
+                default = f.default_factory() if f.default is MISSING else f.default
+                if f.name in REPLAN_KEYS and plain(getattr(self, f.name)) != plain(default):
+                    raise ConfigError(f"{prefix}.{f.name}", plain(getattr(self, f.name)),
+                                      f"its default ({plain(default)}) with {prefix}.schedule="
+                                      f"{schedule.value} (only the dynamic re-planner reads it)")
         check_range(f"{prefix}.verify_samples", self.verify_samples, lo=0)
         check_range(f"{prefix}.probe_share", self.probe_share, lo=0.0, hi=1.0)
         check_range(f"{prefix}.threshold", self.threshold, lo=0.0, hi=1.0, lo_open=True)

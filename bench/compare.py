@@ -17,7 +17,10 @@ and ``sparse_rl_dynamic`` / ``distill_sparse`` when the config has their keys (i
 whose key is absent is listed as missing in the report, never run under another name. ``tis``
 (truncated IS alone, ``correction.tis``) runs only when ``--arms`` names it. Each (arm,
 budget, seed) is one ``launch/train.py`` run (the dense arm trains once per seed; its rows repeat
-per budget). The sparse arms evict with ``--policy`` (default R-KV, the paper's).
+per budget). The sparse arms evict with ``--policy`` (default R-KV, the paper's). The overrides
+after ``--`` go to every run, except those setting a key only the dynamic re-planner reads
+(``rollout.kv.threshold``, ``quantile``, ``replan_every``, ...: ``actors.config.REPLAN_KEYS``),
+which a static run refuses: they go to the dynamic arm alone (refused when no arm has one).
 
 After each run its ``final/`` model is decoded on the held-out problems (``--final-problems``; 1024
 with ``--task reasoning``) twice, in this process: with
@@ -71,6 +74,9 @@ LATE_IMPORTS = ("actors.config", "actors.rollout", "common.lora", "common.modeli
                 "tasks")
 
 
+DYNAMIC = "rollout.kv.schedule=dynamic"   # the override that makes an arm's schedule dynamic
+
+
 @dataclass(frozen=True)
 class Arm:
     name: str
@@ -87,7 +93,7 @@ ARMS = (
     Arm("sparse_rl", ("rollout.kv.policy={policy}", "rollout.kv.budget={budget}",
                       "correction.method=sparse_rl")),
     Arm("sparse_rl_dynamic", ("rollout.kv.policy={policy}", "rollout.kv.budget={budget}",
-                              "correction.method=sparse_rl", "rollout.kv.schedule=dynamic",
+                              "correction.method=sparse_rl", DYNAMIC,
                               "rollout.kv.probe_share=0.125"),
         requires="rollout.kv.schedule"),
     Arm("distill_sparse", ("rollout.kv.policy={policy}", "rollout.kv.budget={budget}",
@@ -126,10 +132,19 @@ def has_key(dotted: str) -> bool:
     return True
 
 
-def plan(arms, budgets: list[int], seeds: list[int],
-         policy: str = "rkv") -> tuple[list[dict], list[dict]]:
+def replan_overrides(overrides: list[str]) -> list[str]:
+    """The overrides setting a key only the dynamic re-planner reads (``actors.config.
+    REPLAN_KEYS``): a static run refuses them, so they go to the dynamic arm alone."""
+    from actors.config import REPLAN_KEYS
+
+    keys = {f"rollout.kv.{k}" for k in REPLAN_KEYS}
+    return [o for o in overrides if o.split("=", 1)[0] in keys]
+
+
+def plan(arms, budgets: list[int], seeds: list[int], policy: str = "rkv",
+         replan: list[str] = ()) -> tuple[list[dict], list[dict]]:
     """(training jobs, missing arms). A job: {arm, budget (None for dense), seed, overrides};
-    the sparse arms evict with ``policy``."""
+    the sparse arms evict with ``policy``; arms with a dynamic schedule also get ``replan``."""
     jobs, missing = [], []
     for arm in arms:
         if arm.requires and not has_key(arm.requires):
@@ -139,6 +154,7 @@ def plan(arms, budgets: list[int], seeds: list[int],
         for seed in seeds:
             for budget in (budgets if arm.sparse else [None]):
                 ov = [o.format(budget=budget, policy=policy) for o in arm.overrides]
+                ov += list(replan) if DYNAMIC in arm.overrides else []
                 jobs.append({"arm": arm.name, "budget": budget, "seed": seed, "overrides": ov})
     return jobs, missing
 
@@ -304,6 +320,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if clashes:
         ap.error(f"overrides {', '.join(clashes)}: a run sets these after the overrides, so "
                  "they would be lost; drop them or choose the arm or option that sets them")
+    args.replan = replan_overrides(args.overrides)
+    if args.replan and not any(DYNAMIC in a.overrides for a in ARMS if a.name in args.arms):
+        ap.error(f"overrides {', '.join(args.replan)}: only the dynamic schedule's re-planner "
+                 f"reads them, and no arm in --arms ({','.join(args.arms)}) has one")
     return args
 
 
@@ -317,7 +337,8 @@ def main(argv: list[str]) -> int:
     preset = TASK_PRESETS[args.task]
     common = [*(["--config", str(REPO / preset)] if preset else []),
               f"rollout.model_path={args.model}", f"run.eval_every={args.eval_every}",
-              "run.checkpoint_every=0", *(QUICK if args.quick else ()), *args.overrides]
+              "run.checkpoint_every=0", *(QUICK if args.quick else ()),
+              *(o for o in args.overrides if o not in args.replan)]
     if args.build_model:
         ensure_model(args.task, args.model)
     base = {"path": str(args.model), "sha256": weights_digest(args.model)}
@@ -326,7 +347,9 @@ def main(argv: list[str]) -> int:
     if args.steps is not None:
         common.append(f"run.steps={args.steps}")
     jobs, missing = plan([a for a in ARMS if a.name in args.arms], args.budgets, args.seeds,
-                         args.policy)
+                         args.policy, args.replan)
+    if args.replan:
+        print(f"[compare] to the dynamic arm only: {' '.join(args.replan)}", flush=True)
     for m in missing:
         print(f"[compare] arm {m['arm']} missing: {m['reason']}", flush=True)
     with ThreadPoolExecutor(args.parallel) as pool:

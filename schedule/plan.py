@@ -292,7 +292,7 @@ def verify(sample: Callable[[list[int]], dict[int, list[float]]], proposed: list
     for up to ``rounds`` draws. A proposal that no longer lowers any bin is adopted without a
     draw; one still lowering after the last failed round gives way: no bin goes below
     ``current``. Returns (schedule, floors, info: rounds drawn, whether it gave way, each draw's
-    worst-bin tail under the key "p5")."""
+    worst-bin tail under the key "tail")."""
     cands = sorted({int(c) for c in candidates})
     sched, floors, worst = list(proposed), list(floors), []
     for _ in range(rounds):
@@ -302,7 +302,7 @@ def verify(sample: Callable[[list[int]], dict[int, list[float]]], proposed: list
         worst.append(min((tail(v, quantile) for v in
                           pooled(realized, min_tokens(quantile))[0].values()), default=1.0))
         if worst[-1] >= threshold:
-            return _trimmed(sched), floors, {"rounds": len(worst), "gave_way": 0, "p5": worst}
+            return _trimmed(sched), floors, {"rounds": len(worst), "gave_way": 0, "tail": worst}
         floors = raise_floors(floors, realized, sched, cands, threshold, quantile)
         sched = _bounded(sched, floors, cands)
     gave_way = int(_lowers(sched, current))
@@ -310,7 +310,7 @@ def verify(sample: Callable[[list[int]], dict[int, list[float]]], proposed: list
         n = max(len(sched), len(current))
         sched = [max(_at(sched, k), _at(current, k))
                  for k in range(n)]
-    return _trimmed(sched), floors, {"rounds": len(worst), "gave_way": gave_way, "p5": worst}
+    return _trimmed(sched), floors, {"rounds": len(worst), "gave_way": gave_way, "tail": worst}
 
 
 def _lowers(schedule: list[int], current: list[int]) -> bool:

@@ -95,8 +95,8 @@ def _verify(pools, kv, proposed: list[int], cands: list[int], step: int) -> tupl
     budgets, kv.min_budgets, info = verify(sample, proposed, kv.bin_budgets(), kv.min_budgets,
                                            cands, kv.threshold, quantile=kv.quantile)
     out = {"schedule/verify_rounds": info["rounds"], "schedule/verify_gave_way": info["gave_way"]}
-    if info["p5"]:
-        out["schedule/verify_p5_min"] = info["p5"][-1]
+    if info["tail"]:
+        out["schedule/verify_tail_min"] = info["tail"][-1]
     return budgets, out
 
 

@@ -143,6 +143,24 @@ def test_an_override_that_a_run_would_replace_is_refused_by_name(capsys):
     assert parse(["--arms", "dense", "--", "rollout.kv.budget=40"]).arms == ["dense"]
 
 
+def test_re_planner_overrides_go_to_the_dynamic_arm_alone(capsys):
+    """A static run refuses a key only the re-planner reads; compare gives those to the dynamic
+    arm and the rest to every arm, and refuses them when no arm is dynamic."""
+    argv = ["--arms", "sparse_rl,sparse_rl_dynamic", "--budgets", "40", "--",
+            "rollout.kv.protect_prompt=true", "rollout.kv.quantile=0.01",
+            "rollout.kv.replan_every=10"]
+    args = parse(argv)
+    assert args.replan == ["rollout.kv.quantile=0.01", "rollout.kv.replan_every=10"]
+    jobs, _ = plan([a for a in ARMS if a.name in args.arms], args.budgets, [0], "rkv", args.replan)
+    by_arm = {j["arm"]: j["overrides"] for j in jobs}
+    assert set(args.replan) <= set(by_arm["sparse_rl_dynamic"])
+    assert not set(args.replan) & set(by_arm["sparse_rl"])
+    with pytest.raises(SystemExit):
+        parse(["--arms", "dense,sparse_rl", "--", "rollout.kv.threshold=0.75"])
+    assert "rollout.kv.threshold=0.75: only the dynamic schedule's re-planner" in \
+        capsys.readouterr().err
+
+
 def test_the_tis_comparator_runs_only_when_named():
     assert "tis" not in parse([]).arms
     assert set(parse([]).arms) == {a.name for a in ARMS} - {"tis"}

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from actors.config import KVConfig, RolloutConfig
+from actors.config import REPLAN_KEYS, KVConfig, RolloutConfig
 from actors.engine import SamplingParams
 from actors.native import NativeEngine
 from actors.probes import agreement, candidate_budgets, probe_rows
@@ -218,9 +218,18 @@ def test_schedule_config_errors():
     with pytest.raises(ConfigError, match="rollout.kv.verify_samples"):
         kv(schedule="dynamic", probe_share=0.5, verify_samples=-1).validate()
     kv(schedule="dynamic", probe_share=0.5, verify_samples=8).validate()
-    # like replan_every and threshold, a re-planner setting a static run leaves unread: accepted,
-    # so bench/compare.py can pass it to every arm
-    kv(verify_samples=8).validate()
+    # every re-planner setting is refused with a static schedule, where nothing would read it
+    # (bench/compare.py gives them to its dynamic arm only)
+    for key, value in (("verify_samples", 8), ("quantile", 0.01), ("threshold", 0.75),
+                       ("margin", 0.02), ("replan_every", 10), ("objective", "memory"),
+                       ("planner", "table"), ("probe_budgets", [8, 16])):
+        with pytest.raises(ConfigError, match=rf"rollout.kv.{key}': .*its default .* with "
+                                              r"rollout.kv.schedule=static"):
+            kv(**{key: value}).validate()
+    assert set(REPLAN_KEYS) == {"probe_budgets", "threshold", "quantile", "margin", "replan_every",
+                                "objective", "min_budgets", "verify_samples", "planner"}
+    kv(schedule="dynamic", probe_share=0.5, threshold=0.75, quantile=0.01, margin=0.02,
+       replan_every=10, objective="memory", planner="table", probe_budgets=[8, 16]).validate()
     for q in (0.0, 0.6):
         with pytest.raises(ConfigError, match="rollout.kv.quantile"):
             kv(schedule="dynamic", probe_share=0.5, quantile=q).validate()
@@ -438,7 +447,7 @@ def test_verify_checks_a_lowered_schedule_on_its_own_samples():
     got, floors, info = verify(sample, [45, 45, 90, 90, 45, 90], [90], [0, 45], cands, 0.86)
     assert got == [45, 45, 90] and floors == [0, 45, 0, 0, 90]
     assert drawn == [[45, 45, 90, 90, 45, 90], [45, 45, 90, 90, 90, 90]]
-    assert info == {"rounds": 2, "gave_way": 0, "p5": [pytest.approx(0.2), 0.99]}
+    assert info == {"rounds": 2, "gave_way": 0, "tail": [pytest.approx(0.2), 0.99]}
     # a passing proposal is adopted after one draw; one lowering nothing is adopted unchecked
     sample, drawn = on_policy_sampler({})
     assert verify(sample, [45, 90], [90], [], cands, 0.86)[0] == [45, 90] and len(drawn) == 1

@@ -51,7 +51,7 @@ def test_dynamic_schedule_replans_and_checkpoints(tiny_model, tmp_path, planner,
         # the on-policy check: drawn only for a re-plan lowering a bin below the one in use
         assert ("schedule/verify_rounds" in r) == bool(verify)
         if verify and r["schedule/verify_rounds"]:
-            assert 0.0 <= r["schedule/verify_p5_min"] <= 1.0
+            assert 0.0 <= r["schedule/verify_tail_min"] <= 1.0
     if verify:      # step 1 lowered the starting 16 somewhere: its samples were drawn
         assert steps[0]["schedule/verify_rounds"] >= 1
     # step 2's rollouts were generated after step 1's re-plan, with its budgets
