@@ -65,12 +65,13 @@ def decode_accuracy(model_dir: Path, run_dir: Path, budget: int, policy: str = "
     return out
 
 
-def run_stats(run_dir: Path) -> dict:
-    """STATS of one run (training records only) and its accuracy curve [(step, eval/accuracy)]."""
+def run_stats(run_dir: Path, stats=STATS) -> dict:
+    """``stats`` (default STATS) of one run (training records only) and its accuracy curve
+    [(step, eval/accuracy)]."""
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "reward" in r]
     out = {}
-    for name, key, how in STATS:
+    for name, key, how in stats:
         vals = [float(r[key]) for r in train if key in r]
         out[name] = (vals[-1] if how == "last" else sum(vals) / len(vals)) if vals else None
     curve = {int(r["step"]): r["eval/accuracy"] for r in records if "eval/accuracy" in r}

@@ -36,11 +36,23 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parent.parent
+# Run as a script, bench/ leads sys.path (bench/buffer.py would shadow the buffer package).
+_HERE = str(Path(__file__).resolve().parent)
+sys.path[:] = [str(REPO)] + [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+from bench.compare_eval import run_stats  # noqa: E402
+
 REFERENCE = "dense"
+# the KV figures of a group, from its runs' metrics.jsonl (self-contained: each step's rollouts
+# against a dense cache of the same rows, so no dense run of the same compare call is needed)
+KV_STATS = (("rollout_kv_vs_dense", "rollout/kv_vs_dense", "mean"),
+            ("kept_ratio", "kept_ratio", "mean"))
 
 
 def load(paths: list[str]) -> list[dict]:
@@ -108,19 +120,15 @@ def pool(rows: list[dict], key: str = "acc_dense_decode", seeds: set[int] | None
     dense, groups = index(rows, key, seeds)
     out = []
     if dense:
-        vals = [dense[s][key] for s in sorted(dense)]
         out.append({"policy": None, "arm": REFERENCE, "budget": None, "seeds": sorted(dense),
-                    "values": vals, "mean": statistics.fmean(vals),
-                    "sd": statistics.stdev(vals) if len(vals) > 1 else None,
+                    **_values([dense[s][key] for s in sorted(dense)]),
                     "overrides": sorted({dense[s]["overrides"] for s in dense})})
     for (policy, arm, budget), g in sorted(groups.items(), key=lambda kv: str(kv[0])):
         both = sorted(s for s in g if s in dense)
-        vals = [g[s][key] for s in sorted(g)]
-        rec = {"policy": policy, "arm": arm, "budget": budget, "seeds": sorted(g), "values": vals,
-               "sd": statistics.stdev(vals) if len(vals) > 1 else None,
-               "paired_seeds": both, "overrides": sorted({g[s]["overrides"] for s in g}),
+        rec = {"policy": policy, "arm": arm, "budget": budget, "seeds": sorted(g),
+               **_values([g[s][key] for s in sorted(g)]), "paired_seeds": both,
+               "overrides": sorted({g[s]["overrides"] for s in g}),
                **_kv([g[s] for s in sorted(g)])}
-        rec |= {"mean": statistics.fmean(vals)}
         if both:
             paired = share_stats([g[s][key] for s in both], [dense[s][key] for s in both], bar)
             rec |= {k: v for k, v in paired.items() if k != "mean"}
@@ -128,28 +136,22 @@ def pool(rows: list[dict], key: str = "acc_dense_decode", seeds: set[int] | None
     return out
 
 
-def _mean(values) -> float | None:
-    vals = [v for v in values if v is not None]
-    return statistics.fmean(vals) if vals else None
-
-
-# the KV figures of a group, from its runs' metrics.jsonl (self-contained: each step's rollouts
-# against a dense cache of the same rows, so no dense run of the same compare call is needed)
-KV_METRICS = {"rollout_kv_vs_dense": "rollout/kv_vs_dense", "kept_ratio": "kept_ratio"}
+def _values(vals: list[float]) -> dict:
+    """The values, their mean and sample standard deviation (None for a single value)."""
+    return {"values": vals, "mean": statistics.fmean(vals),
+            "sd": statistics.stdev(vals) if len(vals) > 1 else None}
 
 
 def _kv(rows: list[dict]) -> dict:
-    """Mean over the group's runs of each run's mean over steps of ``KV_METRICS`` (None when no
-    run's ``metrics.jsonl`` is at its ``run_dir``)."""
-    per_run = {k: [] for k in KV_METRICS}
-    for row in rows:
-        path = Path(row.get("run_dir") or "/nonexistent") / "metrics.jsonl"
-        if not path.is_file():
-            continue
-        steps = [json.loads(line) for line in path.read_text().splitlines() if line]
-        for k, metric in KV_METRICS.items():
-            per_run[k].append(_mean(r.get(metric) for r in steps))
-    return {k: _mean(v) for k, v in per_run.items()}
+    """Mean over the group's runs of each run's ``KV_STATS`` (``compare_eval.run_stats``); None
+    when no run's ``metrics.jsonl`` is at its ``run_dir``."""
+    runs = [run_stats(Path(r["run_dir"]), KV_STATS) for r in rows
+            if r.get("run_dir") and (Path(r["run_dir"]) / "metrics.jsonl").is_file()]
+    means = {}
+    for name, _, _ in KV_STATS:
+        vals = [st[name] for st in runs if st[name] is not None]
+        means[name] = statistics.fmean(vals) if vals else None
+    return means
 
 
 def markdown(groups: list[dict], key: str, bar: float | None) -> str:

@@ -76,8 +76,8 @@ def test_main_end_to_end_with_kv_from_the_runs(tmp_path, capsys):
     for seed, (kv, kept) in enumerate([(0.3, 0.6), (0.5, 0.8)]):
         run = tmp_path / f"run{seed}"
         run.mkdir()
-        steps = [{"step": 1, "rollout/kv_vs_dense": kv, "kept_ratio": kept},
-                 {"step": 2, "rollout/kv_vs_dense": kv, "kept_ratio": kept},
+        steps = [{"step": 1, "reward": 0.5, "rollout/kv_vs_dense": kv, "kept_ratio": kept},
+                 {"step": 2, "reward": 0.5, "rollout/kv_vs_dense": kv, "kept_ratio": kept},
                  {"step": 2, "eval/accuracy": 0.5}]
         (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
         runs.append(run)
