@@ -3,13 +3,18 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 VLLM_STAMP := .venv/.vllm-installed
 MODEL   := .cache/models/tiny-base
+# A candidate default job's base (launch/configs/reasoning-quick.yaml; not adopted: docs/RESULTS.md),
+# built in two stages: SFT on the reasoning task's 0-note form (cheap steps, where the tiny model
+# learns the computation), then from those weights on the 1-note form, half of each batch under R-KV
+# kept sets. `make quick-model`, then `python launch/train.py --config launch/configs/reasoning-quick.yaml`.
+QUICK   := .cache/models/reasoning-quick
 ARGS    ?=
 
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 export RAY_AUTH_MODE := disabled
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv vllm train test test-gpu model bench compare schedule clean lock lock-gpu
+.PHONY: venv vllm train test test-gpu model quick-model bench compare schedule clean lock lock-gpu
 
 venv: $(STAMP)
 
@@ -31,6 +36,12 @@ $(VLLM_STAMP): $(STAMP) requirements-vllm.txt
 
 model: $(STAMP)
 	$(PY) launch/make_base_model.py --out $(MODEL)
+
+quick-model: $(STAMP)
+	$(PY) launch/make_base_model.py --task reasoning --response-tokens 60 --kept-share 0 \
+	    --target-acc 0.8 --eval-every 50 --out $(QUICK)-short
+	$(PY) launch/make_base_model.py --task reasoning --response-tokens 200 \
+	    --kept-budgets 30,60,118 --init-from $(QUICK)-short --out $(QUICK)
 
 train: model
 	$(PY) launch/train.py $(ARGS)

@@ -2,6 +2,7 @@
 
     python launch/make_base_model.py --out .cache/models/tiny-base [--seed 0] [--force]
     python launch/make_base_model.py --task reasoning      # -> .cache/models/reasoning-base
+    python launch/make_base_model.py --task reasoning --init-from DIR ...   # go on from DIR's weights
 
 Defaults (seed 0, 2 threads, idle 2-core CPU): 1.02M params, stops after 800 steps in ~3 min at
 held-out greedy accuracy 0.453 (128 problems; 0.465 on 256). ``--threads 1``: 900 steps, ~5.3 min,
@@ -13,6 +14,10 @@ room to improve it. Everything is a function of ``--seed`` (one torch thread, se
 ``--kept-share`` (reasoning: 0.5) trains that share of each batch under the kept sets the rollout
 engine's KV policy would have at one of ``--kept-budgets`` (``kept_set_evictions``), so the model
 keeps working when most of its KV is evicted, the way large pretrained models do.
+``--init-from`` starts from a built model's weights instead of a fresh initialisation: the base of
+a shorter job (Makefile ``quick-model``) is SFT'd first on the reasoning task's 0-note form, whose
+short sequences make each step cheap while the model learns the computation, then on its 1-note
+form.
 The directory gets ``save_pretrained`` safetensors, the character tokenizer, ``sft_metrics.json`` and
 a ``.complete`` marker; a directory with the marker is reused unless ``--force``.
 """
@@ -60,6 +65,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                                               ".cache/models/<task>-base (others)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="rebuild even if the directory is complete")
+    p.add_argument("--init-from", default="",
+                   help="start SFT from this built model directory's weights (same shape: "
+                        "--hidden/--layers/--heads and the task's vocabulary and positions) "
+                        "instead of a fresh initialisation, e.g. a model built on a shorter "
+                        "form of the task")
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--heads", type=int, default=None)
@@ -304,6 +314,26 @@ def _positions(task) -> int:
     return n
 
 
+def load_init(model, src: Path) -> None:
+    """Copy the weights of the built model in ``src`` into ``model``, refusing a directory that
+    is not a complete build or whose shape differs (naming the config key), so SFT goes on from
+    what that build learned."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not is_complete(src):
+        raise SystemExit(f"--init-from {src}: not a complete base model directory (no {MARKER} "
+                         "or config.json)")
+    theirs = AutoConfig.from_pretrained(str(src)).to_dict()
+    ours = model.config.to_dict()
+    for key in ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+                "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "max_position_embeddings", "tie_word_embeddings"):
+        if theirs.get(key) != ours.get(key):
+            raise SystemExit(f"--init-from {src}: {key} is {theirs.get(key)!r} there, "
+                             f"{ours.get(key)!r} for this build")
+    model.load_state_dict(AutoModelForCausalLM.from_pretrained(str(src)).state_dict())
+
+
 def is_complete(out: Path) -> bool:
     return (out / MARKER).is_file() and (out / "config.json").is_file()
 
@@ -335,6 +365,12 @@ def build(args, log=print) -> Path:
     tok = save_char_tokenizer(tmp)
     model = build_model(len(tok), args.hidden, args.layers, args.heads, tok,
                         max_positions=_positions(task))
+    if args.init_from:
+        try:
+            load_init(model, Path(args.init_from))
+        except SystemExit:
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing of a refused build stays
+            raise
     n_params = sum(p.numel() for p in model.parameters())
     if task.name == "reasoning":
         shape = (f"{task.facts} facts, {task.far_facts} far, {task.notes} notes per gap, "

@@ -58,3 +58,31 @@ def test_stops_at_target(tmp_path):
     out = tmp_path / "t"
     mbm.build(_args(out, "--target-acc", "0"), log=lambda s: None)
     assert json.loads((out / mbm.METRICS).read_text())["steps"] == 3
+
+
+def test_init_from_starts_at_the_given_weights(tmp_path):
+    from safetensors.torch import load_file
+
+    mbm.build(_args(tmp_path / "a", "--max-steps", "3", "--target-acc", "1.1"), log=lambda s: None)
+    # No SFT step: the new build's weights are exactly those it started from.
+    mbm.build(_args(tmp_path / "b", "--max-steps", "0", "--init-from", str(tmp_path / "a")),
+              log=lambda s: None)
+    wa, wb = (load_file(str(tmp_path / n / "model.safetensors")) for n in ("a", "b"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    # One step later they differ: SFT went on from them.
+    mbm.build(_args(tmp_path / "c", "--max-steps", "1", "--init-from", str(tmp_path / "a")),
+              log=lambda s: None)
+    wc = load_file(str(tmp_path / "c" / "model.safetensors"))
+    assert any(not torch.equal(wa[k], wc[k]) for k in wa)
+
+
+def test_init_from_refuses_another_shape_or_an_incomplete_dir(tmp_path):
+    mbm.build(_args(tmp_path / "a", "--max-steps", "0"), log=lambda s: None)
+    with pytest.raises(SystemExit, match="hidden_size is 32 there, 64 for this build"):
+        mbm.build(_args(tmp_path / "b", "--hidden", "64", "--max-steps", "0",
+                        "--init-from", str(tmp_path / "a")), log=lambda s: None)
+    with pytest.raises(SystemExit, match="not a complete base model directory"):
+        mbm.build(_args(tmp_path / "c", "--max-steps", "0", "--init-from", str(tmp_path / "none")),
+                  log=lambda s: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+

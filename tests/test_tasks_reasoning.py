@@ -2,11 +2,15 @@
 gold responses earn reward 1, config keys validated by name, the preset loads."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from common.errors import ConfigError
 from tasks import ReasoningConfig, TaskConfig, TaskName, make_task
 from tasks.reasoning import ReasoningTask, apply, parse_prompt
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _task(**kw):
@@ -129,6 +133,29 @@ def test_preset_loads_and_matches_its_task():
     longest = max(len(t.solution(p.prompt)) for p in t.problems("heldout"))
     assert cfg.rollout.max_new_tokens >= longest + 1                    # + EOS
     assert "reasoning" in cfg.rollout.model_path
+
+
+def test_quick_preset_fits_its_task_and_the_makefile_build():
+    """reasoning-quick.yaml runs on the model the Makefile's quick-model target builds: the same
+    task shape, room for the longest gold response, and a budget that holds under half of the
+    mean sequence."""
+    import re
+
+    from launch.config import CONFIG_DIR, load_config
+
+    cfg = load_config(["--config", str(CONFIG_DIR / "reasoning-quick.yaml")])
+    make = (REPO / "Makefile").read_text()
+    quick = re.search(r"^QUICK\s*:=\s*(\S+)", make, re.M).group(1)
+    assert cfg.rollout.model_path == quick
+    stage2 = re.search(r"--response-tokens (\d+) \\\n\s*--kept-budgets \S+ --init-from "
+                       r"\$\(QUICK\)-short --out \$\(QUICK\)", make)
+    assert stage2 and int(stage2.group(1)) == cfg.task.reasoning.response_tokens
+    t = make_task(cfg.task)
+    held = t.problems("heldout")
+    longest = max(len(t.solution(p.prompt)) for p in held)
+    assert cfg.rollout.max_new_tokens >= longest + 1                    # + EOS
+    mean_seq = sum(len(p.prompt) + len(t.solution(p.prompt)) + 1 for p in held) / len(held)
+    assert cfg.rollout.kv.budget + cfg.rollout.kv.compress_every < mean_seq / 2
 
 
 def test_base_model_builder_takes_the_task(tmp_path):
