@@ -318,20 +318,20 @@ def load_init(model, src: Path) -> None:
     """Copy the weights of the built model in ``src`` into ``model``, refusing a directory that
     is not a complete build or whose shape differs (naming the config key), so SFT goes on from
     what that build learned."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from common.modeling import load_model
 
     if not is_complete(src):
         raise SystemExit(f"--init-from {src}: not a complete base model directory (no {MARKER} "
                          "or config.json)")
-    theirs = AutoConfig.from_pretrained(str(src)).to_dict()
-    ours = model.config.to_dict()
+    init = load_model(src)  # the one HF loader: local files, safetensors, no remote code
+    theirs, ours = init.config.to_dict(), model.config.to_dict()
     for key in ("model_type", "vocab_size", "hidden_size", "intermediate_size",
                 "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "max_position_embeddings", "tie_word_embeddings"):
         if theirs.get(key) != ours.get(key):
             raise SystemExit(f"--init-from {src}: {key} is {theirs.get(key)!r} there, "
                              f"{ours.get(key)!r} for this build")
-    model.load_state_dict(AutoModelForCausalLM.from_pretrained(str(src)).state_dict())
+    model.load_state_dict(init.state_dict())
 
 
 def is_complete(out: Path) -> bool:
