@@ -85,4 +85,3 @@ def test_init_from_refuses_another_shape_or_an_incomplete_dir(tmp_path):
         mbm.build(_args(tmp_path / "c", "--max-steps", "0", "--init-from", str(tmp_path / "none")),
                   log=lambda s: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
-
