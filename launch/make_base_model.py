@@ -242,27 +242,45 @@ def parse_budgets(text: str) -> list[int]:
     return budgets
 
 
-def kept_sft_loss(model, examples, batch: dict, n_kept: int, budget: int, args) -> torch.Tensor:
-    """The batch's mean token loss with its first ``n_kept`` sequences read under the kept sets
-    of ``args.kept_policy`` at ``budget`` (``kept_set_evictions``), the rest dense."""
+def summed_loss(model, examples, pad_id: int, **forward) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the token losses, number of supervised tokens) of ``examples`` in one forward pass,
+    padded to the longest of them only: the reasoning task's drills are ~4x longer than its 0-note
+    sequences, and padding every row to them made a step ~2.8x slower."""
+    batch = collate(examples, pad_id)
+    n = (batch["labels"][:, 1:] != -100).sum()   # the causal LM loss predicts labels[1:]
+    if "kv_evictions" in forward:
+        del batch["attention_mask"]                # right padding: the causal rule hides it
+    return model(**batch, **forward).loss * n, n
+
+
+def kept_summed_loss(model, examples, pad_id: int, budget: int, args):
+    """``summed_loss`` of ``examples`` read under the kept sets of ``args.kept_policy`` at
+    ``budget`` (``kept_set_evictions``)."""
     from learner.distill import ATTN
 
-    width = batch["input_ids"].shape[1]
-    ev = kept_set_evictions(model, examples[:n_kept], budget, args.kept_policy,
-                            args.kept_compress_every, width)
-    labels = batch["labels"]
-    tokens = [(labels[:n_kept] != -100).sum(), (labels[n_kept:] != -100).sum()]
+    width = max(len(ids) for ids, _ in examples)
+    ev = kept_set_evictions(model, examples, budget, args.kept_policy, args.kept_compress_every,
+                            width)
     dense_impl = model.config._attn_implementation
     model.set_attn_implementation(ATTN)
     try:
-        kept = model(input_ids=batch["input_ids"][:n_kept], labels=labels[:n_kept],
-                     kv_evictions=ev).loss
+        return summed_loss(model, examples, pad_id, kv_evictions=ev)
     finally:
         model.set_attn_implementation(dense_impl)
-    if n_kept == len(examples):
-        return kept
-    dense = model(**{k: v[n_kept:] for k, v in batch.items()}).loss
-    return (kept * tokens[0] + dense * tokens[1]) / (tokens[0] + tokens[1])
+
+
+def batch_loss(model, examples, pad_id: int, n_task: int, n_kept: int, budget: int,
+               args) -> torch.Tensor:
+    """The mean token loss of a step's ``examples``: its first ``n_kept`` task sequences read
+    under the kept sets at ``budget``, the other ``n_task - n_kept`` dense, then the drills; each
+    group padded to its own longest sequence."""
+    parts = []
+    if n_kept:
+        parts.append(kept_summed_loss(model, examples[:n_kept], pad_id, budget, args))
+    for group in (examples[n_kept:n_task], examples[n_task:]):
+        if group:
+            parts.append(summed_loss(model, group, pad_id))
+    return sum(loss for loss, _ in parts) / sum(n for _, n in parts)
 
 
 def sft(model, tok, task, args, log=print) -> dict:
@@ -283,9 +301,8 @@ def sft(model, tok, task, args, log=print) -> dict:
         model.train()
         examples = rng.sample(train, args.batch_size)
         examples += [encode_drill(tok, task.drill(drill_rng)) for _ in range(args.drill)]
-        batch = collate(examples, tok.pad_token_id)
-        loss = kept_sft_loss(model, examples, batch, n_kept, kept_rng.choice(budgets), args) \
-            if n_kept else model(**batch).loss
+        budget = kept_rng.choice(budgets) if n_kept else 0
+        loss = batch_loss(model, examples, tok.pad_token_id, args.batch_size, n_kept, budget, args)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

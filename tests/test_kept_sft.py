@@ -48,34 +48,39 @@ def _args(**kw):
     return a
 
 
-def test_kept_sft_loss_dense_when_nothing_is_evicted_and_not_otherwise(model):
-    from launch.make_base_model import collate, kept_set_evictions, kept_sft_loss
+def test_batch_loss_dense_when_nothing_is_evicted_and_not_otherwise(model):
+    from launch.make_base_model import batch_loss, collate, kept_set_evictions
     from learner.distill import register_attention
 
     register_attention()
     rng = random.Random(0)
     examples = []
-    for n in (40, 33, 47, 38):                           # prompt 6, response and EOS n - 6
+    for n in (40, 33, 47, 38, 90):                       # prompt 6, response and EOS n - 6
         ids = [1] + [rng.randint(3, 200) for _ in range(n - 1)]
-        examples.append((ids, [-100] * 6 + ids[6:]))
+        examples.append((ids, [-100] * 6 + ids[6:]))     # the last one: a long "drill"
     batch = collate(examples, pad_id=0)
-    width = batch["input_ids"].shape[1]
     args = _args(kept_compress_every=4)
     model.train()
-    dense = model(**batch).loss
-    ev = kept_set_evictions(model, examples[:2], 64, "rkv", 4, width)
-    assert ev.shape == (2, model.config.num_hidden_layers * model.config.num_key_value_heads, width)
+    dense = model(**batch).loss                          # every row padded to the longest
+    ev = kept_set_evictions(model, examples[:2], 64, "rkv", 4, 47)
+    assert ev.shape == (2, model.config.num_hidden_layers * model.config.num_key_value_heads, 47)
     assert (ev == NEVER).all()                           # the budget holds every sequence
     assert model.training                                # the replay leaves the mode as it was
-    assert torch.allclose(kept_sft_loss(model, examples, batch, 2, 64, args), dense, atol=1e-5)
+    # Each group padded to its own longest: the same mean token loss as one padded batch.
+    assert torch.allclose(batch_loss(model, examples, 0, 4, 0, 0, args), dense, atol=1e-5)
+    assert torch.allclose(batch_loss(model, examples, 0, 4, 2, 64, args), dense, atol=1e-5)
+    assert torch.allclose(batch_loss(model, examples, 0, 5, 0, 0, args), dense, atol=1e-5)
     assert model.config._attn_implementation != "sparse_kept_sets"
-    ev = kept_set_evictions(model, examples[:2], 12, "rkv", 4, width)
-    assert (ev[0, :, :40] != NEVER).any() and (ev[:, :, 40:] == NEVER).all()   # padding never
+    ev = kept_set_evictions(model, examples[:2], 12, "rkv", 4, 47)
+    assert (ev[0, :, :40] != NEVER).any() and (ev[0, :, 40:] == NEVER).all()   # padding never
     assert (ev[ev != NEVER] >= 12).all()                 # nothing goes before the budget fills
-    sparse = kept_sft_loss(model, examples, batch, 2, 12, args)
+    sparse = batch_loss(model, examples, 0, 4, 2, 12, args)
     assert not torch.allclose(sparse, dense, atol=1e-4)
-    every = kept_sft_loss(model, examples, batch, 4, 12, args)   # all rows kept, none dense
+    every = batch_loss(model, examples, 0, 4, 4, 12, args)   # all task rows kept, none dense
     assert torch.isfinite(every) and not torch.allclose(every, sparse, atol=1e-5)
+    sparse.backward()                                    # the kept rows' loss trains the model
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    model.zero_grad(set_to_none=True)
 
 
 @pytest.mark.parametrize("bad, match", [
