@@ -3,10 +3,10 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 VLLM_STAMP := .venv/.vllm-installed
 MODEL   := .cache/models/tiny-base
-# A candidate default job's base (launch/configs/reasoning-quick.yaml; not adopted: docs/RESULTS.md),
-# built in two stages: SFT on the reasoning task's 0-note form (cheap steps, where the tiny model
-# learns the computation), then from those weights on the 1-note form, half of each batch under R-KV
-# kept sets. `make quick-model`, then `python launch/train.py --config launch/configs/reasoning-quick.yaml`.
+# `make train`'s base (launch/configs/reasoning-quick.yaml), built in two stages: SFT on the
+# reasoning task's 0-note form (cheap steps, where the tiny model learns the computation; a cosine
+# lr so it settles), then from those weights on the 1-note form, half of each batch under R-KV kept
+# sets. MODEL is the running_sum base of default.yaml (`python launch/train.py` without --config).
 QUICK   := .cache/models/reasoning-quick
 ARGS    ?=
 
@@ -39,12 +39,14 @@ model: $(STAMP)
 
 quick-model: $(STAMP)
 	$(PY) launch/make_base_model.py --task reasoning --response-tokens 60 --kept-share 0 \
-	    --target-acc 0.8 --eval-every 50 --out $(QUICK)-short
+	    --lr-schedule cosine --max-steps 1000 --target-acc 0.8 --eval-every 50 --out $(QUICK)-short
 	$(PY) launch/make_base_model.py --task reasoning --response-tokens 200 \
 	    --kept-budgets 30,60,118 --init-from $(QUICK)-short --out $(QUICK)
 
-train: model
-	$(PY) launch/train.py $(ARGS)
+# The default job: the reasoning task's 1-note form, R-KV rollouts at under half of a dense cache,
+# Sparse-RL, async (timing: docs/RESULTS.md, "`make train`").
+train: quick-model
+	$(PY) launch/train.py --config launch/configs/reasoning-quick.yaml $(ARGS)
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q tests $(ARGS)

@@ -85,3 +85,20 @@ def test_init_from_refuses_another_shape_or_an_incomplete_dir(tmp_path):
         mbm.build(_args(tmp_path / "c", "--max-steps", "0", "--init-from", str(tmp_path / "none")),
                   log=lambda s: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
+def test_lr_schedule_warms_up_then_holds_or_decays_to_a_tenth():
+    import math
+
+    from launch.make_base_model import lr_factor, parse_args
+
+    const = parse_args(["--task", "reasoning", "--max-steps", "1000"])
+    cos = parse_args(["--task", "reasoning", "--max-steps", "1000", "--lr-schedule", "cosine"])
+    warm = [lr_factor(s, 50, cos) for s in range(50)]
+    assert warm == [lr_factor(s, 50, const) for s in range(50)] == [(s + 1) / 50 for s in range(50)]
+    assert all(lr_factor(s, 50, const) == 1.0 for s in range(49, 1000))
+    decay = [lr_factor(s, 50, cos) for s in range(49, 1000)]
+    assert decay[0] == 1.0 and all(a > b for a, b in zip(decay, decay[1:]))
+    assert math.isclose(decay[-1], 0.1) and math.isclose(lr_factor(524, 50, cos), 0.55)
+    with pytest.raises(SystemExit):
+        parse_args(["--lr-schedule", "linear"])

@@ -136,9 +136,9 @@ def test_preset_loads_and_matches_its_task():
 
 
 def test_quick_preset_fits_its_task_and_the_makefile_build():
-    """reasoning-quick.yaml runs on the model the Makefile's quick-model target builds: the same
-    task shape, room for the longest gold response, and a budget that holds under half of the
-    mean sequence."""
+    """reasoning-quick.yaml, the job `make train` runs after building its base, runs on the model
+    the Makefile's quick-model target builds: the same task shape, room for the longest gold
+    response, and a budget that holds under half of the mean sequence."""
     import re
 
     from launch.config import CONFIG_DIR, load_config
@@ -147,6 +147,9 @@ def test_quick_preset_fits_its_task_and_the_makefile_build():
     make = (REPO / "Makefile").read_text()
     quick = re.search(r"^QUICK\s*:=\s*(\S+)", make, re.M).group(1)
     assert cfg.rollout.model_path == quick
+    train = re.search(r"^train:(.*)\n\t(.*)$", make, re.M)
+    assert train.group(1).split() == ["quick-model"]
+    assert "launch/train.py --config launch/configs/reasoning-quick.yaml $(ARGS)" in train.group(2)
     stage2 = re.search(r"--response-tokens (\d+) \\\n\s*--kept-budgets \S+ --init-from "
                        r"\$\(QUICK\)-short --out \$\(QUICK\)", make)
     assert stage2 and int(stage2.group(1)) == cfg.task.reasoning.response_tokens
