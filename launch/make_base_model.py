@@ -248,8 +248,8 @@ def parse_budgets(text: str) -> list[int]:
 
 def summed_loss(model, examples, pad_id: int, **forward) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the token losses, number of supervised tokens) of ``examples`` in one forward pass,
-    padded to the longest of them only: the reasoning task's drills are ~4x longer than its 0-note
-    sequences, and padding every row to them made a step ~2.8x slower."""
+    padded to the longest of them only: the reasoning task's drills are several times longer than
+    its 0-note sequences, and padding every row to them multiplied a step's cost."""
     batch = collate(examples, pad_id)
     n = (batch["labels"][:, 1:] != -100).sum()   # the causal LM loss predicts labels[1:]
     if "kv_evictions" in forward:
@@ -289,10 +289,10 @@ def batch_loss(model, examples, pad_id: int, n_task: int, n_kept: int, budget: i
 
 def lr_factor(step: int, warmup: int, args) -> float:
     """The multiple of ``--lr`` at ``step``: a linear warmup, then constant or (``cosine``)
-    0.1 + 0.9 * (1 + cos(pi * t)) / 2 with t the post-warmup share of ``--max-steps``. With a
-    constant 2e-3 the reasoning task's 0-note form reached 0.8 at step 700 in one build and never
-    in another (greedy accuracy swinging 0.46-0.75 to step 1500); with the cosine over 1000 steps
-    two seeds settled above 0.8 (docs/RESULTS.md)."""
+    0.1 + 0.9 * (1 + cos(pi * t)) / 2 with t the post-warmup share of ``--max-steps``. At a
+    constant lr the reasoning task's greedy accuracy keeps swinging long after the model has learned
+    the computation, so whether a build reaches ``--target-acc`` is luck; decayed, it settles
+    (docs/RESULTS.md, "The default job made shorter")."""
     if step + 1 < warmup or args.lr_schedule == "constant":
         return min(1.0, (step + 1) / warmup)
     t = min(1.0, (step + 1 - warmup) / max(1, args.max_steps - warmup))
