@@ -15,9 +15,9 @@ room to improve it. Everything is a function of ``--seed`` (one torch thread, se
 engine's KV policy would have at one of ``--kept-budgets`` (``kept_set_evictions``), so the model
 keeps working when most of its KV is evicted, the way large pretrained models do.
 ``--init-from`` starts from a built model's weights instead of a fresh initialisation: the base of
-a shorter job (Makefile ``quick-model``) is SFT'd first on the reasoning task's 0-note form, whose
-short sequences make each step cheap while the model learns the computation, then on its 1-note
-form.
+``make train``'s job (Makefile ``quick-model``) is SFT'd first on the reasoning task's 0-note form,
+whose short sequences make each step cheap while the model learns the computation, then on its
+1-note form.
 The directory gets ``save_pretrained`` safetensors, the character tokenizer, ``sft_metrics.json`` and
 a ``.complete`` marker; a directory with the marker is reused unless ``--force``.
 """
