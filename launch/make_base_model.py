@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import shutil
 import sys
@@ -287,16 +286,19 @@ def batch_loss(model, examples, pad_id: int, n_task: int, n_kept: int, budget: i
     return sum(loss for loss, _ in parts) / sum(n for _, n in parts)
 
 
-def lr_factor(step: int, warmup: int, args) -> float:
-    """The multiple of ``--lr`` at ``step``: a linear warmup, then constant or (``cosine``)
-    0.1 + 0.9 * (1 + cos(pi * t)) / 2 with t the post-warmup share of ``--max-steps``. At a
-    constant lr the reasoning task's greedy accuracy keeps swinging long after the model has learned
-    the computation, so whether a build reaches ``--target-acc`` is luck; decayed, it settles
-    (docs/RESULTS.md, "The default job made shorter")."""
-    if step + 1 < warmup or args.lr_schedule == "constant":
-        return min(1.0, (step + 1) / warmup)
-    t = min(1.0, (step + 1 - warmup) / max(1, args.max_steps - warmup))
-    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * t))
+def lr_lambda(args, warmup: int):
+    """The multiple of ``--lr`` at each step: the learner's schedule (``learner.engine_setup.
+    lr_lambda``), warming up linearly over ``warmup`` steps, then constant or a cosine down to a
+    tenth of ``--lr`` at ``--max-steps``. At a constant lr the reasoning task's greedy accuracy
+    keeps swinging long after the model has learned the computation, so whether a build reaches
+    ``--target-acc`` is luck; decayed, it settles (docs/RESULTS.md, "The default job made
+    shorter")."""
+    from learner.config import LearnerConfig
+    from learner.engine_setup import lr_lambda as learner_lr_lambda
+
+    return learner_lr_lambda(LearnerConfig(
+        lr_schedule=args.lr_schedule, warmup_steps=warmup - 1,
+        decay_steps=max(1, args.max_steps - warmup), min_lr_ratio=0.1))
 
 
 def sft(model, tok, task, args, log=print) -> dict:
@@ -311,7 +313,7 @@ def sft(model, tok, task, args, log=print) -> dict:
     max_new = max(len(task.solution(p.prompt)) for p in task.problems("heldout")) + 8
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
     warmup = min(50, args.max_steps // 10 + 1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, warmup, args))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args, warmup))
     t0, history, acc, step = time.time(), [], 0.0, 0
     while step < args.max_steps:
         model.train()

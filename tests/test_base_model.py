@@ -90,15 +90,16 @@ def test_init_from_refuses_another_shape_or_an_incomplete_dir(tmp_path):
 def test_lr_schedule_warms_up_then_holds_or_decays_to_a_tenth():
     import math
 
-    from launch.make_base_model import lr_factor, parse_args
+    from launch.make_base_model import lr_lambda, parse_args
 
-    const = parse_args(["--task", "reasoning", "--max-steps", "1000"])
-    cos = parse_args(["--task", "reasoning", "--max-steps", "1000", "--lr-schedule", "cosine"])
-    warm = [lr_factor(s, 50, cos) for s in range(50)]
-    assert warm == [lr_factor(s, 50, const) for s in range(50)] == [(s + 1) / 50 for s in range(50)]
-    assert all(lr_factor(s, 50, const) == 1.0 for s in range(49, 1000))
-    decay = [lr_factor(s, 50, cos) for s in range(49, 1000)]
+    const = lr_lambda(parse_args(["--task", "reasoning", "--max-steps", "1000"]), 50)
+    cos = lr_lambda(parse_args(["--task", "reasoning", "--max-steps", "1000",
+                                "--lr-schedule", "cosine"]), 50)
+    warm = [cos(s) for s in range(50)]
+    assert warm == [const(s) for s in range(50)] == [(s + 1) / 50 for s in range(50)]
+    assert all(const(s) == 1.0 for s in range(49, 1000))
+    decay = [cos(s) for s in range(49, 1000)]
     assert decay[0] == 1.0 and all(a > b for a, b in zip(decay, decay[1:]))
-    assert math.isclose(decay[-1], 0.1) and math.isclose(lr_factor(524, 50, cos), 0.55)
+    assert math.isclose(decay[-1], 0.1) and math.isclose(cos(524), 0.55)
     with pytest.raises(SystemExit):
         parse_args(["--lr-schedule", "linear"])
