@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from learner.config import LearnerConfig
+from learner.engine_setup import lr_lambda as learner_lr_lambda
 from tasks import ReasoningConfig, TaskConfig, TaskName, make_task
 from tasks.tokenizer import save_char_tokenizer
 
@@ -293,9 +295,6 @@ def lr_lambda(args, warmup: int):
     keeps swinging long after the model has learned the computation, so whether a build reaches
     ``--target-acc`` is luck; decayed, it settles (docs/RESULTS.md, "The default job made
     shorter")."""
-    from learner.config import LearnerConfig
-    from learner.engine_setup import lr_lambda as learner_lr_lambda
-
     return learner_lr_lambda(LearnerConfig(
         lr_schedule=args.lr_schedule, warmup_steps=warmup - 1,
         decay_steps=max(1, args.max_steps - warmup), min_lr_ratio=0.1))
