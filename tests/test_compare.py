@@ -99,8 +99,10 @@ def test_time_to_dense_accuracy_sums_the_steps_up_to_the_first_eval_reaching_it(
 
 @pytest.mark.slow
 def test_quick_compare_runs_every_arm(tiny_model, tmp_path):
-    proc = subprocess.run([sys.executable, "bench/compare.py", "--quick", "--model",
-                           str(tiny_model), "--out", str(tmp_path)], cwd=REPO,
+    # two runs at once, each on its own local Ray: the suite's slowest test, mostly start-up
+    # (imports in every actor process) that a second run overlaps; and --parallel gets run
+    proc = subprocess.run([sys.executable, "bench/compare.py", "--quick", "--parallel", "2",
+                           "--model", str(tiny_model), "--out", str(tmp_path)], cwd=REPO,
                           env=train_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (out,) = tmp_path.glob("compare-*")
