@@ -271,7 +271,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--model", type=Path, default=None,
                     help="base model (default: the task's, built when missing)")
     ap.add_argument("--out", type=Path, default=REPO / "runs")
-    ap.add_argument("--parallel", type=int, default=1, help="runs at once (a cluster; default 1)")
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="runs at once (on a cluster, or each on its own local Ray: their "
+                         "seconds then share the machine; default 1)")
     ap.add_argument("--arms", default=None,
                     help="arms to run, comma-separated (default: all but tis; the dense arm is the "
                          "reference of the rollout-time and KV ratios)")
