@@ -133,6 +133,13 @@ def test_preset_loads_and_matches_its_task():
     longest = max(len(t.solution(p.prompt)) for p in t.problems("heldout"))
     assert cfg.rollout.max_new_tokens >= longest + 1                    # + EOS
     assert "reasoning" in cfg.rollout.model_path
+    # issue 28's bar 1: a budget of 25% of the mean sequence, its peak (budget + the tokens decoded
+    # between compressions) <= 0.35 of a dense cache, the prompt kept
+    held = t.problems("heldout")
+    mean_seq = sum(len(p.prompt) + len(t.solution(p.prompt)) + 1 for p in held) / len(held)
+    kv = cfg.rollout.kv
+    assert round(kv.budget / mean_seq, 2) == 0.25 and kv.protect_prompt
+    assert (kv.budget + kv.compress_every) / mean_seq <= 0.35
 
 
 def test_quick_preset_fits_its_task_and_the_makefile_build():
