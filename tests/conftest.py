@@ -11,11 +11,17 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.hookimpl(trylast=True)  # after -m / -k deselect: a deselected test starts nothing
 def pytest_collection_modifyitems(config, items):
     """``@pytest.mark.gpu`` tests need CUDA: skipped where torch sees no GPU (``make test-gpu``
-    runs them on a GPU machine)."""
+    runs them on a GPU machine). A selected ``registry`` test whose module has
+    ``start_in_background()`` (tests/test_locks.py) starts its network wait now, beside the suite."""
     import torch
 
+    for item in items:
+        start = getattr(item.module, "start_in_background", None)
+        if "registry" in item.keywords and start is not None:
+            start()
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (make test-gpu)")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 from packaging.utils import canonicalize_name
@@ -68,11 +69,11 @@ def _registry_reachable() -> str | None:
                                               f"{proc.stderr.strip()[-300:]}"
 
 
-@pytest.mark.registry
-def test_each_lock_resolves_to_exactly_its_pins():
+def _resolve_both_locks() -> dict | str:
+    """{lock: pip's report} for both locks, resolved at once; or why the registry cannot be asked."""
     why = _registry_reachable()
     if why:
-        pytest.skip(why)
+        return why
     jobs = {
         # the CPU torch build comes from this machine's pip configuration, as in `make venv`
         locks.CPU_LOCK: (["-r", str(locks.CPU_LOCK)], False),
@@ -80,11 +81,41 @@ def test_each_lock_resolves_to_exactly_its_pins():
         locks.GPU_LOCK: (["-r", str(locks.GPU_LOCK)], True),
     }
     with ThreadPoolExecutor(2) as pool:
-        reports = {lock: pool.submit(locks.pip_report, args, isolated=iso, timeout_s=300)
-                   for lock, (args, iso) in jobs.items()}
-        for lock, fut in reports.items():
-            resolved = {canonicalize_name(n): v for n, v in locks.report_pins(fut.result()).items()}
-            pinned = {k: v for k, (_, v) in locks.read_lock(lock).items()}
-            extra = set(resolved) - set(pinned) - PIP_OWN
-            assert not extra, f"{lock.name} misses dependencies of its pins: {sorted(extra)}"
-            assert {k: resolved[k] for k in pinned} == pinned, lock.name
+        futs = {lock: pool.submit(locks.pip_report, args, isolated=iso, timeout_s=300)
+                for lock, (args, iso) in jobs.items()}
+        return {lock: fut.result() for lock, fut in futs.items()}
+
+
+_resolving: Future | None = None
+
+
+def start_in_background() -> None:
+    """Start the resolution now (tests/conftest.py calls this at collection when the test below is
+    selected): it waits minutes on the network and needs little CPU, so it overlaps the suite
+    instead of adding to it. A daemon thread, so a run stopped early does not wait for pip."""
+    global _resolving
+    if _resolving is not None:
+        return
+    _resolving = fut = Future()
+
+    def work():
+        try:
+            fut.set_result(_resolve_both_locks())
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test by fut.result()
+            fut.set_exception(e)
+
+    threading.Thread(target=work, name="lock-resolution", daemon=True).start()
+
+
+@pytest.mark.registry
+def test_each_lock_resolves_to_exactly_its_pins():
+    start_in_background()  # a no-op when collection started it
+    reports = _resolving.result()
+    if isinstance(reports, str):
+        pytest.skip(reports)
+    for lock, report in reports.items():
+        resolved = {canonicalize_name(n): v for n, v in locks.report_pins(report).items()}
+        pinned = {k: v for k, (_, v) in locks.read_lock(lock).items()}
+        extra = set(resolved) - set(pinned) - PIP_OWN
+        assert not extra, f"{lock.name} misses dependencies of its pins: {sorted(extra)}"
+        assert {k: resolved[k] for k in pinned} == pinned, lock.name
