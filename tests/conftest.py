@@ -19,7 +19,7 @@ def pytest_collection_modifyitems(config, items):
     import torch
 
     for item in items:
-        start = getattr(item.module, "start_in_background", None)
+        start = getattr(getattr(item, "module", None), "start_in_background", None)
         if "registry" in item.keywords and start is not None:
             start()
     if torch.cuda.is_available():
