@@ -29,21 +29,24 @@ POLICY_NAMES = {"rkv": "R-KV", "h2o": "H2O", "snapkv": "SnapKV", "streaming": "S
 
 
 def decode_accuracy(model_dir: Path, run_dir: Path, budget: int, policy: str = "rkv",
-                    problems: int | None = None, sparse: bool = True) -> dict:
+                    problems: int | None = None, sparse: bool = True,
+                    overrides: list[str] = ()) -> dict:
     """Held-out accuracy of ``model_dir`` on ``run_dir``'s evaluation problems (its task,
     ``run.eval_problems``, ``run.eval_greedy``), decoded with a dense cache and with ``policy``
     (R-KV by default) at ``budget`` (the run's other KV settings; a DistillSparse run's sparse
     decode with the adapter saved beside the model), and the mean peak KV bytes per sequence of
     each. ``problems``: the first that many of a held-out split of that size instead (a synthetic
     task's held-out split never meets its train split, whatever its size); ``sparse=False``: the
-    dense decode only (the sparse keys are None)."""
+    dense decode only (the sparse keys are None); ``overrides``: ``key=value`` items applied to
+    the run's config first, as on train.py's command line (e.g. ``rollout.kv.compress_every=32``
+    decodes a run at another compression interval than it trained with)."""
     from actors.config import KVPolicy
     from actors.rollout import RolloutActor
     from launch.config import load_config
     from launch.preflight import check_model, task_prompts
     from tasks import make_task
 
-    cfg = load_config(["--config", str(Path(run_dir) / "config.yaml")], default=False)
+    cfg = load_config(["--config", str(Path(run_dir) / "config.yaml"), *overrides], default=False)
     cfg.rollout.model_path = str(model_dir)
     cfg.rollout.kv.policy, cfg.rollout.kv.budget = KVPolicy(policy), int(budget)
     if problems is not None:

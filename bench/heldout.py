@@ -16,6 +16,9 @@ runs, the binomial standard error of one run's figure (``se_run``) and of the gr
 (``se_mean``: evaluation noise only; the spread over seeds adds the training noise), beside the
 runs' own last evaluation (``acc_own_eval``). ``--sparse B`` also decodes with the run's eviction
 policy at budget B; ``--base`` adds the base model, scored with the first run's config.
+``--set key=value`` (repeatable) changes every run's config for these decodes, as on train.py's
+command line: e.g. ``--set rollout.kv.compress_every=32 --set rollout.kv.protect_prompt=true``
+decodes dense-trained runs, and the base, sparse at another compression interval than they ran.
 """
 from __future__ import annotations
 
@@ -50,16 +53,23 @@ def summarize(label: str, accs: list[float], problems: int, own: list | None = N
             "acc_own_eval": own or []}
 
 
-def score_group(label: str, runs: list[Path], problems: int, sparse: int | None) -> dict:
-    from bench.compare_eval import decode_accuracy, run_stats
+def run_config(run: Path, overrides: list[str] = ()):
+    """A run's config with the ``--set`` overrides applied."""
     from launch.config import load_config
+
+    return load_config(["--config", str(run / "config.yaml"), *overrides], default=False)
+
+
+def score_group(label: str, runs: list[Path], problems: int, sparse: int | None,
+                overrides: list[str] = ()) -> dict:
+    from bench.compare_eval import decode_accuracy, run_stats
 
     dense, sp, own = [], [], []
     for run in runs:
-        cfg = load_config(["--config", str(run / "config.yaml")], default=False)
+        cfg = run_config(run, overrides)
         policy = cfg.rollout.kv.policy.value if cfg.rollout.kv.policy.value != "dense" else "rkv"
         acc = decode_accuracy(run / "final", run, sparse or cfg.rollout.kv.budget, policy,
-                              problems=problems, sparse=sparse is not None)
+                              problems=problems, sparse=sparse is not None, overrides=overrides)
         dense.append(acc["dense"])
         sp.append(acc["sparse"])
         curve = run_stats(run)["curve"]                 # the run's own evaluations
@@ -73,14 +83,14 @@ def score_group(label: str, runs: list[Path], problems: int, sparse: int | None)
     return row
 
 
-def base_row(model: Path, run: Path, problems: int, sparse: int | None) -> dict:
+def base_row(model: Path, run: Path, problems: int, sparse: int | None,
+             overrides: list[str] = ()) -> dict:
     """The base model's row, scored with ``run``'s config (its budget unless ``sparse``)."""
     from bench.compare_eval import decode_accuracy
-    from launch.config import load_config
 
-    budget = sparse or load_config(["--config", str(run / "config.yaml")],
-                                   default=False).rollout.kv.budget
-    acc = decode_accuracy(model, run, budget, "rkv", problems=problems, sparse=sparse is not None)
+    budget = sparse or run_config(run, overrides).rollout.kv.budget
+    acc = decode_accuracy(model, run, budget, "rkv", problems=problems, sparse=sparse is not None,
+                          overrides=overrides)
     row = summarize("base", [acc["dense"]], problems)
     if sparse:
         row["sparse"] = summarize("base", [acc["sparse"]], problems)
@@ -108,6 +118,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--sparse", type=int, default=None,
                     help="also decode with each run's eviction policy at this budget")
     ap.add_argument("--base", type=Path, default=None, help="also score this base model")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every decode (repeatable), e.g. "
+                         "rollout.kv.compress_every=32")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.problems < 1:
@@ -121,13 +134,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
             ap.error(f"--group {label} {pattern!r}: " + (f"these lack final/ or config.yaml: {bad}"
                                                          if bad else "matches nothing"))
         groups.append((label, runs))
-    rows = [score_group(label, runs, args.problems, args.sparse) for label, runs in groups]
+    from common.errors import ConfigError
+
+    try:  # a bad --set stops here, naming the item, before any decode
+        run_config(groups[0][1][0], args.set)
+    except ConfigError as err:
+        ap.error(f"--set: {err}")
+    rows = [score_group(label, runs, args.problems, args.sparse, args.set)
+            for label, runs in groups]
     if args.base:
-        rows.insert(0, base_row(args.base, groups[0][1][0], args.problems, args.sparse))
+        rows.insert(0, base_row(args.base, groups[0][1][0], args.problems, args.sparse, args.set))
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps({"command": sys.argv, "problems": args.problems,
-                                         "sparse_budget": args.sparse, "rows": rows}, indent=1))
+                                         "sparse_budget": args.sparse, "overrides": args.set,
+                                         "rows": rows}, indent=1))
     return rows
 
 

@@ -57,3 +57,22 @@ def test_heldout_bench_refuses_a_glob_without_runs(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(["--group", "x", pattern])
         assert "--group x" in capsys.readouterr().err
+
+
+def test_overrides_reach_the_decode_and_a_bad_one_is_named(tiny_model, tmp_path, capsys):
+    """``--set`` / ``overrides`` change the run's config before the decode: a longer compression
+    interval lets each sparse sequence hold more tokens at its peak (budget + interval)."""
+    from bench.compare_eval import decode_accuracy
+
+    run = fake_run(tmp_path / "runs", tiny_model, "dense-s0")   # trained with compress_every=4
+    at4 = decode_accuracy(run / "final", run, 12, problems=8)
+    at8 = decode_accuracy(run / "final", run, 12, problems=8,
+                          overrides=["rollout.kv.compress_every=8"])
+    assert at8["sparse_kv_bytes"] > at4["sparse_kv_bytes"]
+    assert at8["dense"] == at4["dense"] and at8["dense_kv_bytes"] == at4["dense_kv_bytes"]
+    (row,) = main(["--group", "d", str(run), "--problems", "8", "--sparse", "12",
+                   "--set", "rollout.kv.compress_every=8"])
+    assert row["sparse"]["accs"] == [at8["sparse"]]
+    with pytest.raises(SystemExit):
+        main(["--group", "d", str(run), "--set", "rollout.kv.compress_every=zero"])
+    assert "--set" in (err := capsys.readouterr().err) and "rollout.kv.compress_every" in err
