@@ -2,7 +2,7 @@
 (issue 28).
 
     python bench/mismatch.py --model .cache/models/reasoning-base --budgets 45,90 [--n 64] \\
-        [--json PATH]
+        [--compress-every N] [--protect-prompt] [--tail 0.01 [--bin-tokens 32]] [--json PATH]
 
 Samples ``--n`` training prompts x ``--samples`` responses of the model's task with a sparse cache
 (``--policy``, default R-KV, at each budget; temperature 1, as the rollouts do), re-scores every
@@ -23,6 +23,16 @@ or ``other``. Per budget and outcome (the task's reward > 0 or not) it reports:
 
 A band that picks out the errors would reject more in wrong samples than in right ones. The task is
 the one the model was built for (``sft_metrics.json``, as ``bench/attention.py`` reads it).
+
+``--tail Q`` also replays every sample through the same sparse engine against the dense model
+(``actors.probes.agreement``: the sampled sequence's own per-token agreement alpha = 1 - TV, as the
+dynamic schedule's probes measure it) and adds, over all samples of a budget (``all``): the
+``Q``-quantile of alpha per position bin of ``--bin-tokens`` (``schedule.plan.tail``: the dynamic
+schedule's statistic, ``rollout.kv.quantile``), the share of samples holding an alpha below 0.1,
+the vetoed share, the mean reward and the peak KV against a dense cache of the same tokens
+(``launch.metrics.kv_vs_dense``). That is the calibration of RESULTS.md's "dynamic schedule at
+N = 32": which budgets keep the tail in which bins. ``--protect-prompt`` keeps the prompt
+(``rollout.kv.protect_prompt``).
 """
 from __future__ import annotations
 
@@ -104,10 +114,29 @@ def tally(right: list[bool], classes: list[list[str]], sampler_logp: list[list[f
     return out
 
 
+LOW_ALPHA = 0.1   # an alpha below this is a token the dense policy would rarely have drawn
+
+
+def tail_by_bin(prompt_lens: list[int], alphas: list[list[float]], quantile: float,
+                bin_tokens: int) -> dict:
+    """Per position bin (absolute position // ``bin_tokens``): the ``quantile``-quantile of the
+    alphas of the response tokens there and their count; and the share of samples with an alpha
+    below ``LOW_ALPHA``."""
+    from schedule.plan import bin_alphas, tail
+
+    by_bin = bin_alphas(prompt_lens, alphas, bin_tokens)
+    low = sum(any(a < LOW_ALPHA for a in row) for row in alphas)
+    return {"by_bin": {k: {"tail": tail(v, quantile), "tokens": len(v)}
+                       for k, v in sorted(by_bin.items())},
+            "low_alpha_share": low / max(len(alphas), 1)}
+
+
 def measure(model_dir: Path, budgets: list[int], n: int = 64, samples: int = 8,
             policy: str = "rkv", compress_every: int = 16, obs_window: int = 8,
-            max_new_tokens: int | None = None, seed: int = 1) -> list[dict]:
-    """One row per budget: ``{"budget", "right": {...}, "wrong": {...}}`` (``tally``'s)."""
+            max_new_tokens: int | None = None, seed: int = 1, protect_prompt: bool = False,
+            tail: float | None = None, bin_tokens: int = 32) -> list[dict]:
+    """One row per budget: ``{"budget", "right": {...}, "wrong": {...}}`` (``tally``'s), and with
+    ``tail`` (a quantile) ``"all"``: the figures of ``--tail`` in the module doc."""
     import torch
     from actors.config import KVConfig, KVPolicy
     from actors.engine import SamplingParams
@@ -129,16 +158,39 @@ def measure(model_dir: Path, budgets: list[int], n: int = 64, samples: int = 8,
     rows = []
     for budget in budgets:
         kv = KVConfig(policy=KVPolicy(policy), budget=budget, compress_every=compress_every,
-                      obs_window=obs_window)
-        outs = NativeEngine(model, kv, batch_size=64).generate(prompts, sp)
+                      obs_window=obs_window, protect_prompt=protect_prompt)
+        engine = NativeEngine(model, kv, batch_size=64)
+        outs = engine.generate(prompts, sp)
         resp = [list(o.response_ids) for o in outs]
         dense = dense_logprobs(model, prompts, resp, 1.0, pad_token_id(tok), 16)
-        right = [task.reward(tok.decode(r, skip_special_tokens=True),
-                             problems[i // samples].answer) > 0 for i, r in enumerate(resp)]
+        rewards = [task.reward(tok.decode(r, skip_special_tokens=True), problems[i // samples].answer)
+                   for i, r in enumerate(resp)]
         classes = [[token_class(tok.decode([t])) for t in r] for r in resp]
-        rows.append({"budget": budget, **tally(right, classes, [list(o.logprobs) for o in outs],
-                                               dense)})
+        row = {"budget": budget, **tally([r > 0 for r in rewards], classes,
+                                         [list(o.logprobs) for o in outs], dense)}
+        if tail is not None:
+            row["all"] = _all_samples(engine, prompts, outs, sp, rewards, row, tail, bin_tokens)
+        rows.append(row)
     return rows
+
+
+def _all_samples(engine, prompts, outs, params, rewards, row, quantile, bin_tokens) -> dict:
+    """``--tail``'s figures over every sample of one budget (``row``: its per-outcome tally)."""
+    import pyarrow as pa
+    from actors.probes import agreement
+    from launch.metrics import kv_vs_dense
+
+    resp = [list(o.response_ids) for o in outs]
+    alphas = agreement(engine, prompts, resp, params, micro_batch=16)
+    n = len(outs)
+    kv = kv_vs_dense(pa.table({"peak_kv_bytes": [o.peak_kv_bytes for o in outs],
+                               "prompt_len": [len(p) for p in prompts],
+                               "response_len": [len(r) for r in resp]}),
+                     engine.kv_bytes_per_token())
+    vetoed = sum(row[o]["vetoed"] * row[o]["samples"] for o in ("right", "wrong")) / n
+    return {"samples": n, "reward": sum(rewards) / n, "vetoed": vetoed, "kv_vs_dense": kv,
+            "quantile": quantile, "bin_tokens": bin_tokens,
+            **tail_by_bin([len(p) for p in prompts], alphas, quantile, bin_tokens)}
 
 
 def table(rows: list[dict]) -> str:
@@ -149,6 +201,22 @@ def table(rows: list[dict]) -> str:
             v = r[outcome]
             cells = [str(v[f]) if f == "samples" else f"{v[f]:.3f}" for f in FIELDS]
             lines.append(f"| {r['budget']} | {outcome} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def tail_table(rows: list[dict]) -> str:
+    """``--tail``'s rows: one line a budget, the bins' quantiles in order."""
+    bins = sorted({k for r in rows for k in r["all"]["by_bin"]})
+    q = rows[0]["all"]["quantile"]
+    lines = ["| budget | samples | vetoed | alpha < 0.1 | reward | KV vs dense | "
+             + " | ".join(f"q{q:g} bin {k}" for k in bins) + " |",
+             "|" + "---|" * (6 + len(bins))]
+    for r in rows:
+        a = r["all"]
+        cells = [f"{a['by_bin'][k]['tail']:.3f}" if k in a["by_bin"] else "–" for k in bins]
+        lines.append(f"| {r['budget']} | {a['samples']} | {a['vetoed']:.3f} | "
+                     f"{a['low_alpha_share']:.3f} | {a['reward']:.3f} | {a['kv_vs_dense']:.3f} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -167,6 +235,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help="default: the longest worked solution of the prompts + 1")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--protect-prompt", action="store_true",
+                    help="keep every prompt token (rollout.kv.protect_prompt)")
+    ap.add_argument("--tail", type=float, default=None, metavar="Q",
+                    help="also the Q-quantile of each sample's own agreement per position bin "
+                         "(e.g. 0.01), the vetoed share, reward and KV vs dense over all samples")
+    ap.add_argument("--bin-tokens", type=int, default=32, help="position bin width for --tail")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = ap.parse_args(argv)
     try:
@@ -175,9 +249,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ap.error(f"--budgets: whole numbers, comma-separated (got {args.budgets!r})")
     if not (args.model / "config.json").is_file():
         ap.error(f"--model: no model at {args.model} (config.json missing)")
+    if args.tail is not None and not 0.0 < args.tail < 1.0:
+        ap.error(f"--tail: a quantile strictly between 0 and 1 (got {args.tail})")
+    if args.bin_tokens < 1:
+        ap.error(f"--bin-tokens: a positive width (got {args.bin_tokens})")
     rows = measure(args.model, budgets, args.n, args.samples, args.policy, args.compress_every,
-                   max_new_tokens=args.max_new_tokens, seed=args.seed)
+                   max_new_tokens=args.max_new_tokens, seed=args.seed,
+                   protect_prompt=args.protect_prompt, tail=args.tail, bin_tokens=args.bin_tokens)
     print(table(rows))
+    if args.tail is not None:
+        print(tail_table(rows))
     if args.json:
         args.json.write_text(json.dumps({"command": sys.argv, "rows": rows}, indent=1))
     return rows

@@ -59,3 +59,46 @@ def test_mismatch_bench_refuses_a_missing_model(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--model", str(tmp_path / "nope"), "--budgets", "12"])
     assert "--model" in capsys.readouterr().err
+
+
+def test_tail_by_bin_by_hand():
+    """Alphas binned by absolute position (prompt length + response index), one quantile per bin,
+    and the share of samples with an alpha below 0.1."""
+    from bench.mismatch import tail_by_bin
+    from schedule.plan import tail
+
+    # prompt 3: response positions 3, 4, 5, 6 -> bins 0, 1, 1, 1 (width 4); prompt 5: 5, 6 -> 1, 1
+    out = tail_by_bin([3, 5], [[0.9, 0.05, 0.8, 1.0], [0.7, 0.6]], 0.5, 4)
+    assert out["low_alpha_share"] == 0.5
+    assert out["by_bin"][0] == {"tail": tail([0.9], 0.5), "tokens": 1}
+    assert out["by_bin"][1] == {"tail": tail([0.05, 0.8, 1.0, 0.7, 0.6], 0.5), "tokens": 5}
+    assert out["by_bin"][1]["tail"] == pytest.approx(0.7)   # the median of the five
+
+
+def test_mismatch_bench_tail_end_to_end(tiny_model, tmp_path, capsys):
+    """--tail: every sample's own alphas (a replay through the same sparse engine), binned; the
+    all-samples figures agree with the per-outcome tally; a budget that never evicts agrees
+    exactly (alpha 1 in every bin, KV as dense's, nothing vetoed)."""
+    out = tmp_path / "m.json"
+    rows = main(["--model", str(tiny_model), "--budgets", "12,400", "--n", "3", "--samples", "2",
+                 "--compress-every", "4", "--protect-prompt", "--tail", "0.01", "--bin-tokens",
+                 "16", "--json", str(out)])
+    assert "q0.01 bin" in capsys.readouterr().out
+    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
+    small, full = (r["all"] for r in rows)
+    for a, r in zip((small, full), rows):
+        assert a["samples"] == 6 and a["quantile"] == 0.01 and a["bin_tokens"] == 16
+        assert a["vetoed"] == pytest.approx(
+            (r["right"]["vetoed"] * r["right"]["samples"]
+             + r["wrong"]["vetoed"] * r["wrong"]["samples"]) / 6)
+        assert 0.0 <= a["reward"] <= 1.0 and 0.0 <= a["low_alpha_share"] <= 1.0
+        assert all(0.0 <= b["tail"] <= 1.0 and b["tokens"] > 0 for b in a["by_bin"].values())
+    assert all(b["tail"] == pytest.approx(1.0, abs=1e-5) for b in full["by_bin"].values())
+    assert full["vetoed"] == 0.0 and full["low_alpha_share"] == 0.0
+    assert full["kv_vs_dense"] == pytest.approx(1.0, abs=0.05) and small["kv_vs_dense"] < 1.0
+
+
+def test_mismatch_bench_refuses_a_bad_tail(tiny_model, capsys):
+    with pytest.raises(SystemExit):
+        main(["--model", str(tiny_model), "--budgets", "12", "--tail", "5"])
+    assert "--tail" in capsys.readouterr().err
