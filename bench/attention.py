@@ -18,7 +18,7 @@ that predicts a response token (every layer and head), measures:
 
 Figures are means over heads, layers and sequences, per bin of ``--bin`` query positions (absolute:
 prompt included), plus the same per layer over all positions. The task is the one the model was
-built for (its ``sft_metrics.json``), or ``--task``. ``--json PATH`` also writes them as one JSON
+built for (its ``sft_metrics.json``), or trained on (a run's ``final/``), or ``--task``. ``--json PATH`` also writes them as one JSON
 object.
 """
 from __future__ import annotations
@@ -37,14 +37,25 @@ sys.path[:] = [str(REPO)] + [p for p in sys.path if os.path.abspath(p or os.curd
 
 
 def task_of(model_dir: Path, name: str | None):
-    """The task the model was SFT'd on (``sft_metrics.json``), or the named one with defaults."""
+    """The task the model was SFT'd on (``sft_metrics.json``), the one a run trained it on (a
+    run's ``final/``: the run's ``config.yaml`` beside it), or the named one with defaults. A model
+    that says neither, without a name, is refused (``ValueError``): guessing a task would measure
+    the model on prompts it never saw."""
     from tasks import ReasoningConfig, TaskConfig, make_task
 
     metrics = model_dir / "sft_metrics.json"
+    run_config = model_dir.parent / "config.yaml"
+    if not metrics.is_file() and model_dir.name == "final" and run_config.is_file() and not name:
+        from launch.config import load_config
+
+        return make_task(load_config(["--config", str(run_config)], default=False).task)
+    if not metrics.is_file() and not name:
+        raise ValueError(f"{model_dir}: no sft_metrics.json says which task the model was built "
+                         "for, and it is not a run's final/ beside the run's config.yaml: name the "
+                         "task (--task)")
     saved = json.loads(metrics.read_text()).get("task", {}) if metrics.is_file() else {}
-    if name and saved.get("name", "running_sum") != name:
+    if name and saved.get("name") != name:
         saved = {"name": name}
-    saved = dict(saved or {"name": name or "running_sum"})
     reasoning = ReasoningConfig(**saved.pop("reasoning", {}))
     keep = {k: v for k, v in saved.items() if k in ("name", "seed", "n_train", "n_heldout",
                                                     "min_terms", "max_terms", "max_digit")}
@@ -173,6 +184,10 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if not 0 < args.share <= 1 or args.n < 1 or args.bin < 1:
         ap.error("--share in (0, 1], --n and --bin >= 1")
+    try:  # which task: refused here, naming the model, if it does not say
+        task_of(args.model, args.task)
+    except ValueError as err:
+        ap.error(f"--model: {err}")
     import torch
 
     torch.set_num_threads(args.threads)

@@ -22,7 +22,8 @@ or ``other``. Per budget and outcome (the task's reward > 0 or not) it reports:
   the digit tokens / of every other token: how much of each kind's signal the weighting keeps.
 
 A band that picks out the errors would reject more in wrong samples than in right ones. The task is
-the one the model was built for (``sft_metrics.json``, as ``bench/attention.py`` reads it).
+the one the model was built for (``sft_metrics.json``), or that its run trained it on (a run's
+``final/``), as ``bench/attention.task_of`` reads it; ``--task`` names another.
 
 ``--tail Q`` also replays every sample through the same sparse engine against the dense model
 (``actors.probes.agreement``: the sampled sequence's own per-token agreement alpha = 1 - TV, as the
@@ -134,7 +135,8 @@ def tail_by_bin(prompt_lens: list[int], alphas: list[list[float]], quantile: flo
 def measure(model_dir: Path, budgets: list[int], n: int = 64, samples: int = 8,
             policy: str = "rkv", compress_every: int = 16, obs_window: int = 8,
             max_new_tokens: int | None = None, seed: int = 1, protect_prompt: bool = False,
-            tail: float | None = None, bin_tokens: int = 32) -> list[dict]:
+            tail: float | None = None, bin_tokens: int = 32, task_name: str | None = None
+            ) -> list[dict]:
     """One row per budget: ``{"budget", "right": {...}, "wrong": {...}}`` (``tally``'s), and with
     ``tail`` (a quantile) ``"all"``: the figures of ``--tail`` in the module doc."""
     import torch
@@ -147,7 +149,7 @@ def measure(model_dir: Path, budgets: list[int], n: int = 64, samples: int = 8,
     from common.tokens import eos_token_ids, pad_token_id
 
     torch.manual_seed(seed)
-    task = task_of(model_dir, None)
+    task = task_of(model_dir, task_name)
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir)
     problems = task.problems("train")[:n]
@@ -224,7 +226,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from actors.config import KVPolicy
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", type=Path, required=True, help="an SFT'd base model directory")
+    ap.add_argument("--model", type=Path, required=True,
+                    help="an SFT'd base model directory, or a run's final/")
+    ap.add_argument("--task", default=None, help="default: the task the model was built for")
     ap.add_argument("--budgets", required=True, help="KV budgets in tokens, comma-separated")
     ap.add_argument("--n", type=int, default=64, help="training prompts")
     ap.add_argument("--samples", type=int, default=8, help="responses per prompt")
@@ -253,9 +257,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ap.error(f"--tail: a quantile strictly between 0 and 1 (got {args.tail})")
     if args.bin_tokens < 1:
         ap.error(f"--bin-tokens: a positive width (got {args.bin_tokens})")
+    from bench.attention import task_of
+
+    try:  # which task: refused here, before any decode, if the model does not say
+        task_of(args.model, args.task)
+    except ValueError as err:
+        ap.error(f"--model: {err}")
     rows = measure(args.model, budgets, args.n, args.samples, args.policy, args.compress_every,
                    max_new_tokens=args.max_new_tokens, seed=args.seed,
-                   protect_prompt=args.protect_prompt, tail=args.tail, bin_tokens=args.bin_tokens)
+                   protect_prompt=args.protect_prompt, tail=args.tail, bin_tokens=args.bin_tokens,
+                   task_name=args.task)
     print(table(rows))
     if args.tail is not None:
         print(tail_table(rows))

@@ -102,3 +102,30 @@ def test_mismatch_bench_refuses_a_bad_tail(tiny_model, capsys):
     with pytest.raises(SystemExit):
         main(["--model", str(tiny_model), "--budgets", "12", "--tail", "5"])
     assert "--tail" in capsys.readouterr().err
+
+
+def test_task_of_a_runs_final_model_and_a_model_that_does_not_say(tiny_model, tmp_path, capsys):
+    """A run's final/ (no sft_metrics.json) is measured on the task of the run's config.yaml; a
+    model directory that says no task is refused, naming it, unless --task names one: guessing
+    would measure the model on prompts it never saw."""
+    import shutil
+
+    from bench.attention import task_of
+    from launch.config import load_config, to_yaml
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_model, run / "final")
+    (run / "final" / "sft_metrics.json").unlink()
+    cfg = load_config(["task.name=reasoning", "task.reasoning.response_tokens=64",
+                       f"rollout.model_path={tiny_model}"])
+    (run / "config.yaml").write_text(to_yaml(cfg))
+    task = task_of(run / "final", None)
+    assert task.name == "reasoning" and task.response_tokens == 64
+    assert task_of(run / "final", "running_sum").name == "running_sum"
+    bare = tmp_path / "bare"
+    shutil.copytree(run / "final", bare)
+    with pytest.raises(ValueError, match="sft_metrics.json"):
+        task_of(bare, None)
+    with pytest.raises(SystemExit):
+        main(["--model", str(bare), "--budgets", "12"])
+    assert "--model" in (err := capsys.readouterr().err) and str(bare) in err and "--task" in err
