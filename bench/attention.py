@@ -18,8 +18,8 @@ that predicts a response token (every layer and head), measures:
 
 Figures are means over heads, layers and sequences, per bin of ``--bin`` query positions (absolute:
 prompt included), plus the same per layer over all positions. The task is the one the model was
-built for (its ``sft_metrics.json``), or trained on (a run's ``final/``), or ``--task``. ``--json PATH`` also writes them as one JSON
-object.
+built for (its ``sft_metrics.json``), or trained on (a run's ``final/``), or ``--task``. ``--json
+PATH`` also writes them as one JSON object.
 """
 from __future__ import annotations
 
@@ -45,11 +45,11 @@ def task_of(model_dir: Path, name: str | None):
 
     metrics = model_dir / "sft_metrics.json"
     run_config = model_dir.parent / "config.yaml"
-    if not metrics.is_file() and model_dir.name == "final" and run_config.is_file() and not name:
-        from launch.config import load_config
-
-        return make_task(load_config(["--config", str(run_config)], default=False).task)
     if not metrics.is_file() and not name:
+        if model_dir.name == "final" and run_config.is_file():
+            from launch.config import load_config
+
+            return make_task(load_config(["--config", str(run_config)], default=False).task)
         raise ValueError(f"{model_dir}: no sft_metrics.json says which task the model was built "
                          "for, and it is not a run's final/ beside the run's config.yaml: name the "
                          "task (--task)")

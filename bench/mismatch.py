@@ -165,24 +165,25 @@ def measure(model_dir: Path, budgets: list[int], n: int = 64, samples: int = 8,
         outs = engine.generate(prompts, sp)
         resp = [list(o.response_ids) for o in outs]
         dense = dense_logprobs(model, prompts, resp, 1.0, pad_token_id(tok), 16)
-        rewards = [task.reward(tok.decode(r, skip_special_tokens=True), problems[i // samples].answer)
-                   for i, r in enumerate(resp)]
+        rewards = [task.reward(tok.decode(r, skip_special_tokens=True),
+                               problems[i // samples].answer) for i, r in enumerate(resp)]
         classes = [[token_class(tok.decode([t])) for t in r] for r in resp]
         row = {"budget": budget, **tally([r > 0 for r in rewards], classes,
                                          [list(o.logprobs) for o in outs], dense)}
         if tail is not None:
-            row["all"] = _all_samples(engine, prompts, outs, sp, rewards, row, tail, bin_tokens)
+            row["all"] = _all_samples(engine, prompts, resp, outs, sp, rewards, row, tail,
+                                      bin_tokens)
         rows.append(row)
     return rows
 
 
-def _all_samples(engine, prompts, outs, params, rewards, row, quantile, bin_tokens) -> dict:
-    """``--tail``'s figures over every sample of one budget (``row``: its per-outcome tally)."""
+def _all_samples(engine, prompts, resp, outs, params, rewards, row, quantile, bin_tokens) -> dict:
+    """``--tail``'s figures over every sample of one budget (``resp``: the sampled responses of
+    ``outs``; ``row``: their per-outcome tally)."""
     import pyarrow as pa
     from actors.probes import agreement
     from launch.metrics import kv_vs_dense
 
-    resp = [list(o.response_ids) for o in outs]
     alphas = agreement(engine, prompts, resp, params, micro_batch=16)
     n = len(outs)
     kv = kv_vs_dense(pa.table({"peak_kv_bytes": [o.peak_kv_bytes for o in outs],
