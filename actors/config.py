@@ -125,6 +125,12 @@ class KVConfig:
     # ``schedule.plan.verify``); 0: adopt on the replays alone.
     verify_samples: int = 0
     planner: KVPlanner = KVPlanner.exact         # how it searches (dynamic; schedule/plan.py)
+    # Per-row adaptive budget (snapkv / rkv; 0: off): at each compression a row keeps the fewest
+    # slots, between min_budget and its bin's budget, whose kept set holds at least this share of
+    # the observation window's attention (averaged over layers and KV heads), and compresses
+    # again compress_every steps later (``policies.mass_budgets``).
+    keep_mass: float = 0.0
+    min_budget: int = 0             # the least a row keeps with keep_mass > 0
 
     def __post_init__(self) -> None:
         _coerce(self, "rollout.kv", {"policy": KVPolicy, "schedule": KVSchedule,
@@ -147,6 +153,7 @@ class KVConfig:
         check_range(f"{prefix}.rkv_lambda", self.rkv_lambda, lo=0.0, hi=1.0)
         policy = _enum(f"{prefix}.policy", KVPolicy, self.policy)
         self._validate_schedule(prefix, policy)
+        self._validate_adaptive(prefix, policy)
         smallest = min(self.bin_budgets() + [int(b) for b in self.probe_budgets])
         if policy == KVPolicy.streaming and self.sink_tokens >= smallest:
             raise ConfigError(f"{prefix}.sink_tokens", self.sink_tokens,
@@ -154,6 +161,25 @@ class KVConfig:
         if policy in (KVPolicy.snapkv, KVPolicy.rkv) and self.obs_window > smallest:
             raise ConfigError(f"{prefix}.obs_window", self.obs_window,
                               f"at most the smallest budget ({smallest}) tokens")
+
+    def _validate_adaptive(self, prefix: str, policy: KVPolicy) -> None:
+        check_range(f"{prefix}.keep_mass", self.keep_mass, lo=0.0, hi=1.0, hi_open=True)
+        check_range(f"{prefix}.min_budget", self.min_budget, lo=0)
+        if self.keep_mass == 0:
+            if self.min_budget != 0:
+                raise ConfigError(f"{prefix}.min_budget", self.min_budget,
+                                  f"0 with {prefix}.keep_mass=0 (only the adaptive budget reads "
+                                  "it)")
+            return
+        if policy not in (KVPolicy.snapkv, KVPolicy.rkv):
+            raise ConfigError(f"{prefix}.keep_mass", self.keep_mass,
+                              f"0 with {prefix}.policy={policy.value} (the adaptive budget reads "
+                              "the observation window's attention: snapkv or rkv)")
+        smallest = min(self.bin_budgets() + [int(b) for b in self.probe_budgets])
+        if not self.obs_window <= self.min_budget <= smallest:
+            raise ConfigError(f"{prefix}.min_budget", self.min_budget,
+                              f"between {prefix}.obs_window ({self.obs_window}) and the smallest "
+                              f"budget ({smallest}) with {prefix}.keep_mass > 0")
 
     def _validate_schedule(self, prefix: str, policy: KVPolicy) -> None:
         schedule = _enum(f"{prefix}.schedule", KVSchedule, self.schedule)
@@ -356,8 +382,11 @@ class RolloutConfig:
                                   f"{prefix}.max_new_tokens)")
             kv = self.kv
             for key, off in (("schedule", KVSchedule(kv.schedule) == KVSchedule.static),
-                             ("probe_share", kv.probe_share == 0)):
-                if not off:  # probes replay on the native engine: dynamic schedules need them
+                             ("probe_share", kv.probe_share == 0),
+                             ("keep_mass", kv.keep_mass == 0)):
+                # probes replay on the native engine (dynamic schedules need them), and the
+                # adaptive budget is the native engine's
+                if not off:
                     raise ConfigError(f"{prefix}.kv.{key}", getattr(kv, key),
                                       f"its default with {prefix}.engine=vllm (native engine only)")
             # vLLM runs every policy (actors.vllm.kv.SUPPORTED; the engine checks it at build)

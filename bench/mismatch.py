@@ -135,10 +135,12 @@ def tail_by_bin(prompt_lens: list[int], alphas: list[list[float]], quantile: flo
 def measure(model_dir: Path, budgets: list[int], n: int = 64, samples: int = 8,
             policy: str = "rkv", compress_every: int = 16, obs_window: int = 8,
             max_new_tokens: int | None = None, seed: int = 1, protect_prompt: bool = False,
-            tail: float | None = None, bin_tokens: int = 32, task_name: str | None = None
-            ) -> list[dict]:
-    """One row per budget: ``{"budget", "right": {...}, "wrong": {...}}`` (``tally``'s), and with
-    ``tail`` (a quantile) ``"all"``: the figures of ``--tail`` in the module doc."""
+            tail: float | None = None, bin_tokens: int = 32, task_name: str | None = None,
+            keep_mass: tuple[float, ...] = (0.0,), min_budget: int = 0) -> list[dict]:
+    """One row per budget and ``keep_mass`` share (0: the fixed budget; else the adaptive budget
+    of ``rollout.kv.keep_mass`` under it, at least ``min_budget``): ``{"budget", "keep_mass",
+    "right": {...}, "wrong": {...}}`` (``tally``'s), and with ``tail`` (a quantile) ``"all"``:
+    the figures of ``--tail`` in the module doc."""
     import torch
     from actors.config import KVConfig, KVPolicy
     from actors.engine import SamplingParams
@@ -158,9 +160,11 @@ def measure(model_dir: Path, budgets: list[int], n: int = 64, samples: int = 8,
     sp = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens or longest,
                         stop_token_ids=eos_token_ids(tok), seed=seed)
     rows = []
-    for budget in budgets:
+    for budget, share in [(b, m) for b in budgets for m in keep_mass]:
         kv = KVConfig(policy=KVPolicy(policy), budget=budget, compress_every=compress_every,
-                      obs_window=obs_window, protect_prompt=protect_prompt)
+                      obs_window=obs_window, protect_prompt=protect_prompt, keep_mass=share,
+                      min_budget=min_budget if share > 0 else 0)
+        kv.validate("bench")
         engine = NativeEngine(model, kv, batch_size=64)
         outs = engine.generate(prompts, sp)
         resp = [list(o.response_ids) for o in outs]
@@ -168,8 +172,9 @@ def measure(model_dir: Path, budgets: list[int], n: int = 64, samples: int = 8,
         rewards = [task.reward(tok.decode(r, skip_special_tokens=True),
                                problems[i // samples].answer) for i, r in enumerate(resp)]
         classes = [[token_class(tok.decode([t])) for t in r] for r in resp]
-        row = {"budget": budget, **tally([r > 0 for r in rewards], classes,
-                                         [list(o.logprobs) for o in outs], dense)}
+        row = {"budget": budget, "keep_mass": share, "min_budget": kv.min_budget,
+               **tally([r > 0 for r in rewards], classes, [list(o.logprobs) for o in outs],
+                       dense)}
         if tail is not None:
             row["all"] = _all_samples(engine, prompts, resp, outs, sp, rewards, row, tail,
                                       bin_tokens)
@@ -196,6 +201,13 @@ def _all_samples(engine, prompts, resp, outs, params, rewards, row, quantile, bi
             **tail_by_bin([len(p) for p in prompts], alphas, quantile, bin_tokens)}
 
 
+def label(row: dict) -> str:
+    """A row's KV setting: ``90``, or ``90 mass 0.95 >= 45`` for the adaptive budget."""
+    if not row.get("keep_mass"):
+        return str(row["budget"])
+    return f"{row['budget']} mass {row['keep_mass']:g} >= {row['min_budget']}"
+
+
 def table(rows: list[dict]) -> str:
     head = "| budget | outcome | " + " | ".join(FIELDS) + " |"
     lines = [head, "|" + "---|" * (len(FIELDS) + 2)]
@@ -203,7 +215,7 @@ def table(rows: list[dict]) -> str:
         for outcome in ("right", "wrong"):
             v = r[outcome]
             cells = [str(v[f]) if f == "samples" else f"{v[f]:.3f}" for f in FIELDS]
-            lines.append(f"| {r['budget']} | {outcome} | " + " | ".join(cells) + " |")
+            lines.append(f"| {label(r)} | {outcome} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -217,7 +229,7 @@ def tail_table(rows: list[dict]) -> str:
     for r in rows:
         a = r["all"]
         cells = [f"{a['by_bin'][k]['tail']:.3f}" if k in a["by_bin"] else "–" for k in bins]
-        lines.append(f"| {r['budget']} | {a['samples']} | {a['vetoed']:.3f} | "
+        lines.append(f"| {label(r)} | {a['samples']} | {a['vetoed']:.3f} | "
                      f"{a['low_alpha_share']:.3f} | {a['reward']:.3f} | {a['kv_vs_dense']:.3f} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -246,12 +258,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="also the Q-quantile of each sample's own agreement per position bin "
                          "(e.g. 0.01), the vetoed share, reward and KV vs dense over all samples")
     ap.add_argument("--bin-tokens", type=int, default=32, help="position bin width for --tail")
+    ap.add_argument("--keep-mass", default="0",
+                    help="comma-separated shares, each measured at every budget: 0 = the fixed "
+                         "budget, else the adaptive one (rollout.kv.keep_mass) under it")
+    ap.add_argument("--min-budget", type=int, default=0,
+                    help="the least an adaptive row keeps (rollout.kv.min_budget)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = ap.parse_args(argv)
     try:
         budgets = [int(b) for b in args.budgets.split(",")]
     except ValueError:
         ap.error(f"--budgets: whole numbers, comma-separated (got {args.budgets!r})")
+    try:
+        shares = tuple(float(m) for m in args.keep_mass.split(","))
+    except ValueError:
+        ap.error(f"--keep-mass: numbers, comma-separated (got {args.keep_mass!r})")
+    from actors.config import KVConfig
+    from common.errors import ConfigError
+
+    for b in budgets:    # every setting checked as the engine would, before any decode
+        for m in shares:
+            try:
+                KVConfig(policy=args.policy, budget=b, protect_prompt=args.protect_prompt,
+                         compress_every=args.compress_every, keep_mass=m,
+                         min_budget=args.min_budget if m > 0 else 0).validate("bench")
+            except ConfigError as err:
+                flag = {"bench.keep_mass": "--keep-mass", "bench.min_budget": "--min-budget"}
+                ap.error(f"{flag.get(err.key, '--budgets')}: {err}")
     if not (args.model / "config.json").is_file():
         ap.error(f"--model: no model at {args.model} (config.json missing)")
     if args.tail is not None and not 0.0 < args.tail < 1.0:
@@ -267,7 +300,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = measure(args.model, budgets, args.n, args.samples, args.policy, args.compress_every,
                    max_new_tokens=args.max_new_tokens, seed=args.seed,
                    protect_prompt=args.protect_prompt, tail=args.tail, bin_tokens=args.bin_tokens,
-                   task_name=args.task)
+                   task_name=args.task, keep_mass=shares, min_budget=args.min_budget)
     print(table(rows))
     if args.tail is not None:
         print(tail_table(rows))

@@ -100,6 +100,8 @@ USED = {
     "rollout.kv.margin": "schedule/replan.py",
     "rollout.kv.replan_every": "schedule/replan.py",
     "rollout.kv.protect_prompt": "actors/native/engine.py",
+    "rollout.kv.keep_mass": "actors/native/engine.py",
+    "rollout.kv.min_budget": "actors/native/engine.py",
     "rollout.kv.objective": "schedule/replan.py",
     "rollout.kv.planner": "schedule/replan.py",
     "rollout.kv.min_budgets": "schedule/replan.py",

@@ -129,3 +129,28 @@ def test_task_of_a_runs_final_model_and_a_model_that_does_not_say(tiny_model, tm
     with pytest.raises(SystemExit):
         main(["--model", str(bare), "--budgets", "12"])
     assert "--model" in (err := capsys.readouterr().err) and str(bare) in err and "--task" in err
+
+
+def test_mismatch_bench_adaptive_rows_beside_the_fixed_budget(tiny_model, tmp_path, capsys):
+    """--keep-mass 0,S: a fixed and an adaptive row per budget, labelled, each with its own
+    samples' figures (the engine's own tests check what the adaptive budget holds)."""
+    rows = main(["--model", str(tiny_model), "--budgets", "16", "--n", "3", "--samples", "2",
+                 "--compress-every", "4", "--tail", "0.05", "--bin-tokens", "16",
+                 "--keep-mass", "0,0.5", "--min-budget", "8"])
+    assert [(r["budget"], r["keep_mass"], r["min_budget"]) for r in rows] == \
+        [(16, 0.0, 0), (16, 0.5, 8)]
+    assert "| 16 mass 0.5 >= 8 |" in capsys.readouterr().out
+    for r in rows:
+        assert r["all"]["samples"] == 6 and 0.0 < r["all"]["kv_vs_dense"] < 1.0
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--keep-mass", "0.9"], "--min-budget"),               # no floor: 0 < obs_window
+    (["--keep-mass", "x"], "--keep-mass"),
+    (["--keep-mass", "1.5", "--min-budget", "8"], "--keep-mass"),
+    (["--keep-mass", "0.9", "--min-budget", "8", "--policy", "h2o"], "--keep-mass"),
+])
+def test_mismatch_bench_refuses_bad_adaptive_flags(tiny_model, capsys, args, flag):
+    with pytest.raises(SystemExit):
+        main(["--model", str(tiny_model), "--budgets", "12"] + args)
+    assert flag in capsys.readouterr().err

@@ -36,6 +36,7 @@ class BatchState:
         self.stopped = np.zeros(b, dtype=bool)
         self.kept_sum = np.zeros(b, dtype=np.float64)
         self.peak = np.zeros(b, dtype=np.int64)
+        self.kept = np.zeros(b, dtype=np.int64)           # slots after the latest compression
         self.peak_total = 0
         self.attended, self.decode_rows = 0, 0    # KV slots read by decode steps, row-steps
         self.trace = [[] for _ in range(b)] if trace else None
@@ -59,6 +60,7 @@ class BatchState:
         self.seen = np.concatenate([self.seen, lens])
         self.kept_sum[ids] += 1.0             # the prefill attends the whole prompt
         self.peak[ids] = np.maximum(self.peak[ids], n)
+        self.kept[ids] = n
 
     def record(self, pool, tok: torch.Tensor, lp: torch.Tensor) -> None:
         """Store one token per live row (device) and make it the rows' next input."""
@@ -153,12 +155,17 @@ class BatchState:
         self.attended += total
         self.decode_rows += self.live
 
-    def compressed(self, rows: np.ndarray, kept_pos: torch.Tensor | None) -> None:
-        """Rows (live indices) were cut to their budget; kept_pos [R,L,Hkv,budget] for traces."""
+    def compressed(self, rows: np.ndarray, kept: np.ndarray, kept_pos: torch.Tensor | None
+                   ) -> None:
+        """Rows (live indices) were cut to ``kept`` [R] slots each; kept_pos [R,L,Hkv,>= kept]
+        (sorted positions, the first kept[j] of row j valid) for traces."""
+        self.n[rows] = kept
+        self.kept[self.ids[rows]] = kept
         if self.trace is not None:
             kept_pos = kept_pos.cpu()
             for j, r in enumerate(rows.tolist()):
-                self.trace[int(self.ids[r])].append((int(self.seen[r]) - 1, kept_pos[j]))
+                self.trace[int(self.ids[r])].append((int(self.seen[r]) - 1,
+                                                     kept_pos[j][..., :int(kept[j])]))
 
     def outputs(self, bytes_per_token: int, bins_used=lambda total: []) -> list[GenerationOutput]:
         self.resolve()                        # the last step's tokens, for finish reasons

@@ -227,7 +227,7 @@ class NativeEngine:
                 st.retire(pool, done)
                 if st.live == 0:
                     continue
-            full = np.flatnonzero(st.n >= self._limit(st.seen))
+            full = np.flatnonzero(st.n >= self._limit(st))
             if len(full):
                 self._compress(pool, full, st)
             logits = self.stepper(self.dec, pool, rope, st.live, int(st.n.max()),
@@ -292,12 +292,17 @@ class NativeEngine:
             return lmax + max_new
         return min(max(self.budgets) + self.kv.compress_every, lmax + max_new)
 
-    def _limit(self, seen: np.ndarray) -> np.ndarray:
-        """Slots at which each row compresses before writing position ``seen``: its bin's budget
-        plus ``compress_every`` (never for a dense cache)."""
+    def _limit(self, st: BatchState) -> np.ndarray:
+        """Slots at which each live row compresses before writing its next position: its bin's
+        budget plus ``compress_every`` (never for a dense cache); with the adaptive budget
+        (``kv.keep_mass``) what it kept at its latest compression (at least ``min_budget``, at
+        most the bin's budget) plus ``compress_every``."""
         if self.policy == KVPolicy.dense:
-            return np.full_like(seen, np.iinfo(np.int64).max)
-        return self.budget_at(seen) + self.kv.compress_every
+            return np.full_like(st.seen, np.iinfo(np.int64).max)
+        budget = self.budget_at(st.seen)
+        if self.kv.keep_mass > 0:
+            budget = np.minimum(np.maximum(st.kept[st.ids], self.kv.min_budget), budget)
+        return budget + self.kv.compress_every
 
     def _bins_used(self, total: int) -> list[int]:
         """The budget of every bin a sequence of ``total`` tokens reached (dense: none)."""
@@ -364,7 +369,7 @@ class NativeEngine:
         pool.n[rows] = torch.tensor(n, device=dev)
         st.admit(np.array(take, dtype=np.int64), n, lens)
         for (budget, part, _), k in zip(groups, kept):
-            st.compressed(r0 + part, torch.stack(k, dim=1))
+            st.compressed(r0 + part, np.full(len(part), budget), torch.stack(k, dim=1))
         return dec.logits(x[torch.arange(b, device=dev), lens_d - 1])
 
     def _compress_layer(self, pool: KVPool, i: int, rows, n: torch.Tensor, seen: torch.Tensor,
@@ -382,7 +387,8 @@ class NativeEngine:
             pool.pos[i].index_select(0, rows_d)[:, :, :budget]
 
     def _compress(self, pool: KVPool, full: np.ndarray, st: BatchState) -> None:
-        """Compress the given live rows (host indices) of every layer to their bin's budget."""
+        """Compress the given live rows (host indices) of every layer to their bin's budget (or,
+        with ``kv.keep_mass``, to each row's adaptive budget under it)."""
         for budget, part in self._groups(full, st.seen[full]):
             rows = len(part) if len(part) == st.live else torch.tensor(part, device=self.device)
             if isinstance(rows, int):
@@ -390,14 +396,47 @@ class NativeEngine:
             else:
                 n, seen, rowid = pool.n[rows], pool.seen[rows], pool.rowid[rows]
             protect = st.plen_d[rowid] if self.kv.protect_prompt else None
-            kept = [self._compress_layer(pool, i, rows, n, seen, budget, protect)
-                    for i in range(self.dec.n_layers)]
-            if isinstance(rows, int):
-                pool.n[:rows].fill_(budget)
+            if self.kv.keep_mass > 0:
+                k, k_d, kept = self._compress_adaptive(pool, rows, n, seen, budget, protect)
+                if isinstance(rows, int):
+                    pool.n[:rows].copy_(k_d)
+                else:
+                    pool.n.index_copy_(0, rows, k_d)
             else:
-                pool.n.index_fill_(0, rows, budget)
-            st.n[part] = budget
-            st.compressed(part, torch.stack(kept, dim=1) if st.trace is not None else None)
+                k = np.full(len(part), budget)
+                kept = [self._compress_layer(pool, i, rows, n, seen, budget, protect)
+                        for i in range(self.dec.n_layers)]
+                if isinstance(rows, int):
+                    pool.n[:rows].fill_(budget)
+                else:
+                    pool.n.index_fill_(0, rows, budget)
+            st.compressed(part, k, torch.stack(kept, dim=1) if st.trace is not None else None)
+
+    def _compress_adaptive(self, pool: KVPool, rows, n: torch.Tensor, seen: torch.Tensor,
+                           budget: int, protect: torch.Tensor | None):
+        """``kv.keep_mass``: every layer's scores first, then one budget per row for all layers
+        (``policies.mass_budgets``; the compression's one device read), then each layer cut to
+        it. Returns the budgets [R] (host and device) and the kept positions per layer
+        [R,Hkv,max]."""
+        kv, scaling = self.kv, self.dec.scaling
+        views = [policies.layer_view(pool, i, rows, n, seen, scaling, protect)
+                 for i in range(self.dec.n_layers)]
+        scored = [policies.score(self.policy, kv, budget, v) for v in views]
+        curves = [policies.coverage(s, first, last, n, policies.window_mass(v.win))
+                  for (s, first, last), v in zip(scored, views)]
+        lo = min(kv.min_budget, budget)
+        if protect is not None:     # the prompt and the window stay whole while they fit
+            lo = (protect + kv.obs_window).clamp(min=lo)
+        k_d = policies.mass_budgets(curves, n, lo, budget, kv.keep_mass)
+        k = k_d.cpu().numpy()
+        width = int(k.max())
+        rows_d = torch.arange(rows, device=self.device) if isinstance(rows, int) else rows
+        kept = []
+        for i, (s, first, last) in enumerate(scored):
+            idx = policies.keep_rows(s, first, last, n, k_d, width)
+            pool.gather_rows(i, rows_d, idx)
+            kept.append(pool.pos[i].index_select(0, rows_d)[:, :, :width])
+        return k, k_d, kept
 
 
 def _forced(responses: list[list[int]], ids: np.ndarray, steps: np.ndarray, device) -> torch.Tensor:

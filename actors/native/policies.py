@@ -95,6 +95,13 @@ def window_logits(q: torch.Tensor, seen: torch.Tensor, keys: torch.Tensor, pos: 
 
 def select(policy: KVPolicy, kv: KVConfig, budget: int, view: LayerView) -> torch.Tensor:
     """Slots to keep, [R,Hkv,budget], sorted. Requires n[r] >= budget for every row."""
+    return _keep(*score(policy, kv, budget, view), view.n, budget)
+
+
+def score(policy: KVPolicy, kv: KVConfig, budget: int, view: LayerView
+          ) -> tuple[torch.Tensor, int, int]:
+    """The policy's slot scores [R,Hkv,S] (higher stays; prompt lifted with ``protect``) and how
+    many first and last slots it always keeps."""
     policy = KVPolicy(policy)
     if policy == KVPolicy.streaming:
         s = view.keys.shape[2]
@@ -113,7 +120,7 @@ def select(policy: KVPolicy, kv: KVConfig, budget: int, view: LayerView) -> torc
         raise ValueError(f"no selection rule for KV policy {policy!r}")
     if view.protect is not None:
         scores = protect_prompt(scores, view.pos, view.protect)
-    return _keep(scores, view.n, budget, first, last)
+    return scores, first, last
 
 
 # Above every policy score (probabilities, accumulated attention, slot indices: all < 1e6), in
@@ -129,28 +136,83 @@ def protect_prompt(scores: torch.Tensor, pos: torch.Tensor, plen: torch.Tensor) 
     return scores.double() + in_prompt.double() * _PROTECT
 
 
-def _keep(scores: torch.Tensor, n: torch.Tensor, budget: int, first: int, last: int) -> torch.Tensor:
-    """Top-``budget`` valid slots by score, always keeping the first ``first`` and last ``last``."""
-    s = scores.shape[-1]
-    slot = torch.arange(s, device=scores.device)[None, None]
+def _ranked(scores: torch.Tensor, n: torch.Tensor, first: int, last: int) -> torch.Tensor:
+    """Scores with the forced slots (the first ``first`` and last ``last`` valid ones) at +inf
+    and the invalid slots at -inf."""
+    slot = torch.arange(scores.shape[-1], device=scores.device)[None, None]
     nn_ = n[:, None, None]
     valid = slot < nn_
     forced = valid & ((slot < first) | (slot >= nn_ - last))
     scores = scores if scores.dtype == torch.float64 else scores.float()  # protect_prompt: f64
-    scores = scores.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
+    return scores.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
+
+
+def _keep(scores: torch.Tensor, first: int, last: int, n: torch.Tensor, budget: int
+          ) -> torch.Tensor:
+    """Top-``budget`` valid slots by score, always keeping the first ``first`` and last ``last``."""
+    s = scores.shape[-1]
+    slot = torch.arange(s, device=scores.device)[None, None]
+    scores = _ranked(scores, n, first, last)
     if 2 * budget <= s:
         return scores.topk(budget, dim=-1).indices.sort(dim=-1).values
     # Decode-time compression keeps most slots (budget of budget + N): find the s - budget to
     # evict and list the rest in slot order (6x faster than a top-budget + sort at 2k slots).
-    # The kept slots are compacted by a cumsum (rank among the kept) and one scatter, not by
-    # ``nonzero``, which would wait for the device to learn its output size.
     evict = scores.topk(s - budget, dim=-1, largest=False).indices
     keep = torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
     keep.scatter_(-1, evict, False)
-    rank = torch.where(keep, keep.cumsum(dim=-1) - 1, budget)   # evicted -> a spare column
-    out = torch.zeros(*scores.shape[:-1], budget + 1, dtype=torch.long, device=scores.device)
-    out.scatter_(-1, rank, slot.expand(scores.shape))
-    return out[..., :budget]
+    return _compact(keep, budget)
+
+
+def _compact(keep: torch.Tensor, width: int) -> torch.Tensor:
+    """The slots where ``keep`` [R,Hkv,S] holds, in slot order, [R,Hkv,width] (a row keeping
+    fewer than ``width`` is padded with slot 0). Compacted by a cumsum (rank among the kept) and
+    one scatter, not by ``nonzero``, which would wait for the device to learn its output size."""
+    slot = torch.arange(keep.shape[-1], device=keep.device)[None, None].expand(keep.shape)
+    rank = torch.where(keep, keep.cumsum(dim=-1) - 1, width)   # evicted -> a spare column
+    out = torch.zeros(*keep.shape[:-1], width + 1, dtype=torch.long, device=keep.device)
+    out.scatter_(-1, rank, slot)
+    return out[..., :width]
+
+
+# ---- the per-row adaptive budget (rollout.kv.keep_mass) ------------------------------------------
+
+def window_mass(win: torch.Tensor) -> torch.Tensor:
+    """[R,Hkv,g,w,S] window logits -> [R,Hkv,S]: each slot's share of the attention of the
+    observation window's queries (softmax over every slot a query sees), averaged over the group's
+    query heads and the window's queries; a query that sees nothing adds 0."""
+    return torch.softmax(win, dim=-1).nan_to_num(0.0).mean(dim=(2, 3))
+
+
+def coverage(scores: torch.Tensor, first: int, last: int, n: torch.Tensor, mass: torch.Tensor
+             ) -> torch.Tensor:
+    """[R,Hkv,S]: entry k-1 is the share of ``mass`` held by the k slots the policy ranks best
+    (``score``'s output, forced slots first): what keeping k slots keeps of the window's
+    attention."""
+    order = _ranked(scores, n, first, last).argsort(dim=-1, descending=True, stable=True)
+    return mass.gather(-1, order).cumsum(dim=-1)
+
+
+def mass_budgets(curves: list[torch.Tensor], n: torch.Tensor, lo: int | torch.Tensor, hi: int,
+                 share: float) -> torch.Tensor:
+    """Per row [R] the fewest slots k, lo <= k <= min(hi, n), whose kept sets hold at least
+    ``share`` of the window's attention averaged over layers and KV heads (``curves``: one
+    ``coverage`` per layer; ``lo`` an int or per row). Rows whose attention is concentrated keep
+    fewer slots than the bin's budget ``hi``; rows whose attention spreads keep up to it (budgets
+    that follow the attention mass, as Ada-KV's (Feng et al., 2024) do across heads)."""
+    mean = torch.stack(curves).float().mean(dim=(0, 2))                          # [R,S]
+    need = (mean < share).sum(dim=-1) + 1
+    lo = torch.as_tensor(lo, device=need.device)
+    return torch.minimum(torch.maximum(need, lo).clamp(max=hi), n)
+
+
+def keep_rows(scores: torch.Tensor, first: int, last: int, n: torch.Tensor, k: torch.Tensor,
+              width: int) -> torch.Tensor:
+    """Per row r the ``k[r]`` best slots by score (forced slots first), in slot order,
+    [R,Hkv,width] with width >= max k (the rest padded with slot 0: beyond the row's new n)."""
+    order = _ranked(scores, n, first, last).argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(order.shape[-1], device=order.device).expand(order.shape))
+    return _compact(rank < k[:, None, None], width)
 
 
 def window_scores(win: torch.Tensor, n: torch.Tensor, w: int, group: str) -> torch.Tensor:
