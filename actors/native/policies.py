@@ -151,7 +151,6 @@ def _keep(scores: torch.Tensor, first: int, last: int, n: torch.Tensor, budget: 
           ) -> torch.Tensor:
     """Top-``budget`` valid slots by score, always keeping the first ``first`` and last ``last``."""
     s = scores.shape[-1]
-    slot = torch.arange(s, device=scores.device)[None, None]
     scores = _ranked(scores, n, first, last)
     if 2 * budget <= s:
         return scores.topk(budget, dim=-1).indices.sort(dim=-1).values
