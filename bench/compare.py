@@ -103,7 +103,14 @@ ARMS = (
     # rejected or vetoed: what the Sparse-RL recipe's band and veto are measured against
     Arm("tis", ("rollout.kv.policy={policy}", "rollout.kv.budget={budget}",
                 "correction.method=tis"), default=False),
+    # issue 28's dynamic bar, a second design: Sparse-RL whose rows each keep an adaptive budget
+    # under the static one (rollout.kv.keep_mass: --keep-mass, --min-budget-share)
+    Arm("sparse_rl_adaptive", ("rollout.kv.policy={policy}", "rollout.kv.budget={budget}",
+                               "correction.method=sparse_rl", "rollout.kv.keep_mass={keep_mass}",
+                               "rollout.kv.min_budget={min_budget}"),
+        requires="rollout.kv.keep_mass", default=False),
 )
+ADAPTIVE_POLICIES = ("snapkv", "rkv")     # the adaptive budget reads the window's attention
 
 # --task: the preset every run starts from (None: launch/config.py's defaults)
 TASK_PRESETS = {"running_sum": None, "reasoning": "launch/configs/reasoning.yaml"}
@@ -142,9 +149,12 @@ def replan_overrides(overrides: list[str]) -> list[str]:
 
 
 def plan(arms, budgets: list[int], seeds: list[int], policy: str = "rkv",
-         replan: list[str] = ()) -> tuple[list[dict], list[dict]]:
+         replan: list[str] = (), keep_mass: float = 0.95, min_share: float = 0.5
+         ) -> tuple[list[dict], list[dict]]:
     """(training jobs, missing arms). A job: {arm, budget (None for dense), seed, overrides};
-    the sparse arms evict with ``policy``; arms with a dynamic schedule also get ``replan``."""
+    the sparse arms evict with ``policy``; arms with a dynamic schedule also get ``replan``; the
+    adaptive arm keeps ``keep_mass`` of the window's attention, at least ``min_share`` of the
+    budget."""
     jobs, missing = [], []
     for arm in arms:
         if arm.requires and not has_key(arm.requires):
@@ -153,7 +163,9 @@ def plan(arms, budgets: list[int], seeds: list[int], policy: str = "rkv",
             continue
         for seed in seeds:
             for budget in (budgets if arm.sparse else [None]):
-                ov = [o.format(budget=budget, policy=policy) for o in arm.overrides]
+                floor = max(1, round(budget * min_share)) if budget else 0
+                ov = [o.format(budget=budget, policy=policy, keep_mass=keep_mass,
+                               min_budget=floor) for o in arm.overrides]
                 ov += list(replan) if DYNAMIC in arm.overrides else []
                 jobs.append({"arm": arm.name, "budget": budget, "seed": seed, "overrides": ov})
     return jobs, missing
@@ -283,6 +295,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
                     choices=[p.value for p in KVPolicy if p is not KVPolicy.dense],
                     help="the sparse arms' eviction policy, in training and in the sparse decode "
                          "(rollout.kv.policy; default rkv, the paper's)")
+    ap.add_argument("--keep-mass", type=float, default=0.95,
+                    help="the sparse_rl_adaptive arm's rollout.kv.keep_mass (default 0.95)")
+    ap.add_argument("--min-budget-share", type=float, default=0.5,
+                    help="its rollout.kv.min_budget as a share of each budget (default 0.5)")
     ap.add_argument("--final-problems", type=int, default=None,
                     help="held-out problems the final models are decoded on (default: the runs' "
                          f"own evaluation set; --task reasoning: {REASONING_FINAL_PROBLEMS})")
@@ -317,6 +333,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args.arms = args.arms.split(",") if args.arms else [a.name for a in ARMS if a.default]
     if not args.arms or set(args.arms) - set(names):
         ap.error(f"--arms: names from {names}")
+    if "sparse_rl_adaptive" in args.arms:
+        if args.policy not in ADAPTIVE_POLICIES:
+            ap.error(f"--policy {args.policy}: the sparse_rl_adaptive arm needs one of "
+                     f"{list(ADAPTIVE_POLICIES)} (it reads the observation window's attention)")
+        if not 0 < args.keep_mass < 1:
+            ap.error(f"--keep-mass: a share strictly between 0 and 1 (got {args.keep_mass})")
+        if not 0 < args.min_budget_share <= 1:
+            ap.error(f"--min-budget-share: a share in (0, 1] (got {args.min_budget_share})")
     clashes = override_clashes(args.overrides, [a for a in ARMS if a.name in args.arms],
                                args.steps)
     if clashes:
@@ -349,7 +373,7 @@ def main(argv: list[str]) -> int:
     if args.steps is not None:
         common.append(f"run.steps={args.steps}")
     jobs, missing = plan([a for a in ARMS if a.name in args.arms], args.budgets, args.seeds,
-                         args.policy, args.replan)
+                         args.policy, args.replan, args.keep_mass, args.min_budget_share)
     if args.replan:
         print(f"[compare] to the dynamic arm only: {' '.join(args.replan)}", flush=True)
     for m in missing:

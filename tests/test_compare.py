@@ -165,13 +165,30 @@ def test_re_planner_overrides_go_to_the_dynamic_arm_alone(capsys):
 
 def test_the_tis_comparator_runs_only_when_named():
     assert "tis" not in parse([]).arms
-    assert set(parse([]).arms) == {a.name for a in ARMS} - {"tis"}
+    assert set(parse([]).arms) == {a.name for a in ARMS} - {"tis", "sparse_rl_adaptive"}
     args = parse(["--arms", "tis,naive_sparse", "--budgets", "40"])
     jobs, missing = plan([a for a in ARMS if a.name in args.arms], args.budgets, [0], "snapkv")
     (tis,) = [j for j in jobs if j["arm"] == "tis"]
     assert not missing and tis["budget"] == 40
     assert set(tis["overrides"]) == {"rollout.kv.policy=snapkv", "rollout.kv.budget=40",
                                      "correction.method=tis"}
+
+
+def test_the_adaptive_arm_runs_only_when_named_with_its_share_and_floor(capsys):
+    assert "sparse_rl_adaptive" not in parse([]).arms
+    args = parse(["--arms", "sparse_rl_adaptive", "--budgets", "90", "--keep-mass", "0.9"])
+    jobs, missing = plan([a for a in ARMS if a.name in args.arms], args.budgets, [0], "rkv",
+                         args.replan, args.keep_mass, args.min_budget_share)
+    (job,) = jobs
+    assert not missing and set(job["overrides"]) == {
+        "rollout.kv.policy=rkv", "rollout.kv.budget=90", "correction.method=sparse_rl",
+        "rollout.kv.keep_mass=0.9", "rollout.kv.min_budget=45"}
+    for bad, flag in ((["--policy", "h2o"], "--policy"), (["--keep-mass", "1"], "--keep-mass"),
+                      (["--min-budget-share", "0"], "--min-budget-share")):
+        with pytest.raises(SystemExit):
+            parse(["--arms", "sparse_rl_adaptive"] + bad)
+        assert flag in capsys.readouterr().err
+    assert parse(["--arms", "sparse_rl", "--policy", "h2o"]).policy == "h2o"   # not named: fine
 
 
 def test_final_models_are_scored_on_more_problems_for_the_reasoning_task(capsys):
