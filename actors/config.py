@@ -175,6 +175,10 @@ class KVConfig:
             raise ConfigError(f"{prefix}.keep_mass", self.keep_mass,
                               f"0 with {prefix}.policy={policy.value} (the adaptive budget reads "
                               "the observation window's attention: snapkv or rkv)")
+        if KVSchedule(self.schedule) == KVSchedule.dynamic:
+            raise ConfigError(f"{prefix}.keep_mass", self.keep_mass,
+                              f"0 with {prefix}.schedule=dynamic (the re-planner's replays "
+                              "assume every row keeps its bin's budget)")
         smallest = min(self.bin_budgets() + [int(b) for b in self.probe_budgets])
         if not self.obs_window <= self.min_budget <= smallest:
             raise ConfigError(f"{prefix}.min_budget", self.min_budget,

@@ -133,6 +133,7 @@ def test_replay_reproduces_the_adaptive_samplers_logprobs_and_kept_sets(model):
     (dict(min_budget=3), "min_budget"),          # below obs_window
     (dict(min_budget=17), "min_budget"),         # above the budget
     (dict(budgets=[16, 5], bin_tokens=8), "min_budget"),   # above the smallest bin's budget
+    (dict(schedule="dynamic", probe_share=0.5), "keep_mass"),
 ])
 def test_bad_adaptive_settings_are_refused_naming_the_key(kw, key):
     with pytest.raises(ConfigError, match=f"rollout.kv.{key}"):
