@@ -42,7 +42,7 @@ def test_window_mass_is_each_slots_share_of_the_windows_attention():
 def test_coverage_follows_the_policys_ranking_forced_slots_first():
     scores = torch.tensor([[[0.1, 0.9, 0.5, 0.0, 0.3]]])
     mass = torch.tensor([[[0.4, 0.1, 0.2, 0.3, 0.0]]])
-    cov = policies.coverage(scores, 0, 1, torch.tensor([5]), mass)
+    cov = policies.coverage(policies.ranking(scores, 0, 1, torch.tensor([5])), mass)
     # order: slot 4 (forced last), then 1, 2, 0, 3 by score
     assert torch.allclose(cov[0, 0], torch.tensor([0.0, 0.1, 0.3, 0.7, 1.0]))
 
@@ -62,12 +62,13 @@ def test_mass_budgets_take_the_fewest_slots_holding_the_share_within_bounds():
 
 def test_keep_rows_keeps_each_rows_own_count_in_slot_order():
     scores = torch.tensor([[[0.1, 0.9, 0.5, 0.0, 0.3]], [[0.8, 0.1, 0.2, 0.9, 0.4]]])
-    idx = policies.keep_rows(scores, 0, 1, torch.tensor([5, 5]), torch.tensor([2, 3]), 3)
+    order = policies.ranking(scores, 0, 1, torch.tensor([5, 5]))
+    idx = policies.keep_rows(order, torch.tensor([2, 3]), 3)
     assert idx[0, 0, :2].tolist() == [1, 4]            # forced last slot, then the best
     assert idx[1, 0].tolist() == [0, 3, 4]
     # the fixed rule keeps the same slots when every row keeps the same count
     fixed = policies._keep(scores, 0, 1, torch.tensor([5, 5]), 3)
-    same = policies.keep_rows(scores, 0, 1, torch.tensor([5, 5]), torch.tensor([3, 3]), 3)
+    same = policies.keep_rows(order, torch.tensor([3, 3]), 3)
     assert torch.equal(fixed, same)
 
 

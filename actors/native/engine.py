@@ -421,9 +421,9 @@ class NativeEngine:
         kv, scaling = self.kv, self.dec.scaling
         views = [policies.layer_view(pool, i, rows, n, seen, scaling, protect)
                  for i in range(self.dec.n_layers)]
-        scored = [policies.score(self.policy, kv, budget, v) for v in views]
-        curves = [policies.coverage(s, first, last, n, policies.window_mass(v.win))
-                  for (s, first, last), v in zip(scored, views)]
+        orders = [policies.ranking(*policies.score(self.policy, kv, budget, v), n)
+                  for v in views]
+        curves = [policies.coverage(o, policies.window_mass(v.win)) for o, v in zip(orders, views)]
         lo = min(kv.min_budget, budget)
         if protect is not None:     # the prompt and the window stay whole while they fit
             lo = (protect + kv.obs_window).clamp(min=lo)
@@ -432,8 +432,8 @@ class NativeEngine:
         width = int(k.max())
         rows_d = torch.arange(rows, device=self.device) if isinstance(rows, int) else rows
         kept = []
-        for i, (s, first, last) in enumerate(scored):
-            idx = policies.keep_rows(s, first, last, n, k_d, width)
+        for i, order in enumerate(orders):
+            idx = policies.keep_rows(order, k_d, width)
             pool.gather_rows(i, rows_d, idx)
             kept.append(pool.pos[i].index_select(0, rows_d)[:, :, :width])
         return k, k_d, kept

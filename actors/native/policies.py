@@ -136,10 +136,10 @@ def protect_prompt(scores: torch.Tensor, pos: torch.Tensor, plen: torch.Tensor) 
     return scores.double() + in_prompt.double() * _PROTECT
 
 
-def _ranked(scores: torch.Tensor, n: torch.Tensor, first: int, last: int) -> torch.Tensor:
+def _ranked(scores: torch.Tensor, n: torch.Tensor, first: int, last: int,
+            slot: torch.Tensor) -> torch.Tensor:
     """Scores with the forced slots (the first ``first`` and last ``last`` valid ones) at +inf
-    and the invalid slots at -inf."""
-    slot = torch.arange(scores.shape[-1], device=scores.device)[None, None]
+    and the invalid slots at -inf; ``slot``: ``arange(S)[None, None]``."""
     nn_ = n[:, None, None]
     valid = slot < nn_
     forced = valid & ((slot < first) | (slot >= nn_ - last))
@@ -151,7 +151,8 @@ def _keep(scores: torch.Tensor, first: int, last: int, n: torch.Tensor, budget: 
           ) -> torch.Tensor:
     """Top-``budget`` valid slots by score, always keeping the first ``first`` and last ``last``."""
     s = scores.shape[-1]
-    scores = _ranked(scores, n, first, last)
+    slot = torch.arange(s, device=scores.device)[None, None]
+    scores = _ranked(scores, n, first, last, slot)
     if 2 * budget <= s:
         return scores.topk(budget, dim=-1).indices.sort(dim=-1).values
     # Decode-time compression keeps most slots (budget of budget + N): find the s - budget to
@@ -159,17 +160,17 @@ def _keep(scores: torch.Tensor, first: int, last: int, n: torch.Tensor, budget: 
     evict = scores.topk(s - budget, dim=-1, largest=False).indices
     keep = torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
     keep.scatter_(-1, evict, False)
-    return _compact(keep, budget)
+    return _compact(keep, budget, slot)
 
 
-def _compact(keep: torch.Tensor, width: int) -> torch.Tensor:
+def _compact(keep: torch.Tensor, width: int, slot: torch.Tensor) -> torch.Tensor:
     """The slots where ``keep`` [R,Hkv,S] holds, in slot order, [R,Hkv,width] (a row keeping
-    fewer than ``width`` is padded with slot 0). Compacted by a cumsum (rank among the kept) and
-    one scatter, not by ``nonzero``, which would wait for the device to learn its output size."""
-    slot = torch.arange(keep.shape[-1], device=keep.device)[None, None].expand(keep.shape)
+    fewer than ``width`` is padded with slot 0; ``slot``: ``arange(S)[None, None]``). Compacted
+    by a cumsum (rank among the kept) and one scatter, not by ``nonzero``, which would wait for
+    the device to learn its output size."""
     rank = torch.where(keep, keep.cumsum(dim=-1) - 1, width)   # evicted -> a spare column
     out = torch.zeros(*keep.shape[:-1], width + 1, dtype=torch.long, device=keep.device)
-    out.scatter_(-1, rank, slot)
+    out.scatter_(-1, rank, slot.expand(keep.shape))
     return out[..., :width]
 
 
@@ -182,12 +183,16 @@ def window_mass(win: torch.Tensor) -> torch.Tensor:
     return torch.softmax(win, dim=-1).nan_to_num(0.0).mean(dim=(2, 3))
 
 
-def coverage(scores: torch.Tensor, first: int, last: int, n: torch.Tensor, mass: torch.Tensor
-             ) -> torch.Tensor:
-    """[R,Hkv,S]: entry k-1 is the share of ``mass`` held by the k slots the policy ranks best
-    (``score``'s output, forced slots first): what keeping k slots keeps of the window's
-    attention."""
-    order = _ranked(scores, n, first, last).argsort(dim=-1, descending=True, stable=True)
+def ranking(scores: torch.Tensor, first: int, last: int, n: torch.Tensor) -> torch.Tensor:
+    """[R,Hkv,S] slot indices, best first by ``score``'s output (forced slots first, invalid
+    slots last): the order ``coverage`` and ``keep_rows`` both read."""
+    slot = torch.arange(scores.shape[-1], device=scores.device)[None, None]
+    return _ranked(scores, n, first, last, slot).argsort(dim=-1, descending=True, stable=True)
+
+
+def coverage(order: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """[R,Hkv,S]: entry k-1 is the share of ``mass`` held by the first k slots of ``order``
+    (``ranking``): what keeping k slots keeps of the window's attention."""
     return mass.gather(-1, order).cumsum(dim=-1)
 
 
@@ -204,14 +209,12 @@ def mass_budgets(curves: list[torch.Tensor], n: torch.Tensor, lo: int | torch.Te
     return torch.minimum(torch.maximum(need, lo).clamp(max=hi), n)
 
 
-def keep_rows(scores: torch.Tensor, first: int, last: int, n: torch.Tensor, k: torch.Tensor,
-              width: int) -> torch.Tensor:
-    """Per row r the ``k[r]`` best slots by score (forced slots first), in slot order,
+def keep_rows(order: torch.Tensor, k: torch.Tensor, width: int) -> torch.Tensor:
+    """Per row r the first ``k[r]`` slots of ``order`` (``ranking``), in slot order,
     [R,Hkv,width] with width >= max k (the rest padded with slot 0: beyond the row's new n)."""
-    order = _ranked(scores, n, first, last).argsort(dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(
-        -1, order, torch.arange(order.shape[-1], device=order.device).expand(order.shape))
-    return _compact(rank < k[:, None, None], width)
+    slot = torch.arange(order.shape[-1], device=order.device)[None, None]
+    rank = torch.empty_like(order).scatter_(-1, order, slot.expand(order.shape))
+    return _compact(rank < k[:, None, None], width, slot)
 
 
 def window_scores(win: torch.Tensor, n: torch.Tensor, w: int, group: str) -> torch.Tensor:
