@@ -73,6 +73,10 @@ def _coerce(obj, prefix: str, fields: dict) -> None:
             setattr(obj, key, _enum(f"{prefix}.{key}", cls, value))
 
 
+# policies the adaptive budget (rollout.kv.keep_mass) runs with: it reads the observation
+# window's attention
+ADAPTIVE_POLICIES = (KVPolicy.snapkv, KVPolicy.rkv)
+
 # rollout.kv keys only the dynamic re-planner reads (schedule/replan.py): with
 # schedule=static each must keep its default, or it would validate and do nothing
 REPLAN_KEYS = ("probe_budgets", "threshold", "quantile", "margin", "replan_every", "objective",
@@ -171,7 +175,7 @@ class KVConfig:
                                   f"0 with {prefix}.keep_mass=0 (only the adaptive budget reads "
                                   "it)")
             return
-        if policy not in (KVPolicy.snapkv, KVPolicy.rkv):
+        if policy not in ADAPTIVE_POLICIES:
             raise ConfigError(f"{prefix}.keep_mass", self.keep_mass,
                               f"0 with {prefix}.policy={policy.value} (the adaptive budget reads "
                               "the observation window's attention: snapkv or rkv)")

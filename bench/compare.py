@@ -110,7 +110,6 @@ ARMS = (
                                "rollout.kv.min_budget={min_budget}"),
         requires="rollout.kv.keep_mass", default=False),
 )
-ADAPTIVE_POLICIES = ("snapkv", "rkv")     # the adaptive budget reads the window's attention
 
 # --task: the preset every run starts from (None: launch/config.py's defaults)
 TASK_PRESETS = {"running_sum": None, "reasoning": "launch/configs/reasoning.yaml"}
@@ -334,9 +333,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if not args.arms or set(args.arms) - set(names):
         ap.error(f"--arms: names from {names}")
     if "sparse_rl_adaptive" in args.arms:
+        from actors.config import ADAPTIVE_POLICIES
+
         if args.policy not in ADAPTIVE_POLICIES:
             ap.error(f"--policy {args.policy}: the sparse_rl_adaptive arm needs one of "
-                     f"{list(ADAPTIVE_POLICIES)} (it reads the observation window's attention)")
+                     f"{[p.value for p in ADAPTIVE_POLICIES]} (it reads the observation "
+                     "window's attention)")
         if not 0 < args.keep_mass < 1:
             ap.error(f"--keep-mass: a share strictly between 0 and 1 (got {args.keep_mass})")
         if not 0 < args.min_budget_share <= 1:
