@@ -84,17 +84,20 @@ def test_native_sparse_logprobs_are_the_sparse_policys_on_cuda(tiny, policy, dty
         assert (sparse.float() - rec).abs().max() < tol
 
 
-@pytest.mark.parametrize("policy", ["dense", "h2o", "rkv"])
-def test_cuda_graph_steps_equal_eager_steps(tiny, policy):
+@pytest.mark.parametrize("policy,adaptive", [("dense", {}), ("h2o", {}), ("rkv", {}),
+                                             ("rkv", {"keep_mass": 0.5, "min_budget": 6})],
+                         ids=["dense", "h2o", "rkv", "rkv-adaptive"])
+def test_cuda_graph_steps_equal_eager_steps(tiny, policy, adaptive):
     """Issue 27: the captured step (auto on CUDA) gives the eager step's tokens and log-probs in
     fp32, through compressions, rows leaving on stop tokens, refills (batch_size 2: buckets 2 and
     1) and a second call that replays the graphs captured by the first; an in-place weight load
-    reaches the replayed graphs."""
+    reaches the replayed graphs. ``rkv-adaptive``: rows keeping their own budgets
+    (``rollout.kv.keep_mass``) between replays."""
     from actors.native import NativeEngine
 
     model = _cuda(tiny, torch.float32)
     kv = KVConfig(policy=policy, budget=12, compress_every=5, sink_tokens=2, obs_window=4,
-                  pool_kernel=3)
+                  pool_kernel=3, **adaptive)
     prompts = PROMPTS + [[3, 4, 5, 6]]
     params = SamplingParams(max_new_tokens=24, temperature=0.9, seed=2, stop_token_ids=(7, 11))
     eager = NativeEngine(model, kv, batch_size=2, step="eager")
