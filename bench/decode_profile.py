@@ -22,7 +22,10 @@ ones that admit prompts are left out, and those that compress are counted apart:
 kernels_per_step (means), syncs_per_compression, ops_per_compression and kernels_per_compression
 (means per compression call)}.
 Bars: <= 1 sync per non-compressing step for dense and every policy; ops per compression at batch
-64 <= 1.1x those at batch 16.
+64 <= 1.1x those at batch 16. ``snapkv-adaptive`` / ``rkv-adaptive``: the policy with the per-row
+adaptive budget (``rollout.kv.keep_mass`` = ``--keep-mass``, ``min_budget`` = ``--min-budget``),
+whose compression reads the rows' budgets from the device once by design
+(``syncs_per_compression`` 1, against 0 for a fixed budget).
 """
 from __future__ import annotations
 
@@ -44,7 +47,8 @@ from actors.config import KVConfig  # noqa: E402
 from actors.engine import SamplingParams  # noqa: E402
 from actors.native import NativeEngine  # noqa: E402
 
-POLICIES = ("dense", "streaming", "h2o", "snapkv", "rkv")
+POLICIES = ("dense", "streaming", "h2o", "snapkv", "rkv", "snapkv-adaptive", "rkv-adaptive")
+ADAPTIVE = "-adaptive"
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "nonzero_static", "masked_select", "unique",
             "_unique", "_unique2", "unique_dim", "unique_consecutive", "is_nonzero", "item",
             "equal", "allclose", "repeat_interleave_tensor"}
@@ -163,11 +167,21 @@ class _Wrapped:
         return getattr(self._runner, name)
 
 
+def kv_config(name: str, args) -> KVConfig:
+    """A row's KV config: ``name`` is a policy, or a policy + ``-adaptive`` (the per-row budget)."""
+    if not name.endswith(ADAPTIVE):
+        return KVConfig(policy=name, budget=args.budget, compress_every=args.every)
+    return KVConfig(policy=name.removesuffix(ADAPTIVE), budget=args.budget,
+                    compress_every=args.every, keep_mass=args.keep_mass,
+                    min_budget=args.min_budget or args.budget // 2)
+
+
 def run(model, policies, batches, args) -> list[dict]:
     rows = []
     for policy in policies:
         for batch in batches:
-            kv = KVConfig(policy=policy, budget=args.budget, compress_every=args.every)
+            kv = kv_config(policy, args)
+            kv.validate("decode_profile")
             eng = NativeEngine(model, kv, batch_size=batch, step="eager")
             g = torch.Generator().manual_seed(0)
             prompts = torch.randint(3, model.config.vocab_size, (batch, args.prompt_len),
@@ -203,6 +217,10 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-len", type=int, default=160)
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--every", type=int, default=32)
+    ap.add_argument("--keep-mass", type=float, default=0.9,
+                    help="the -adaptive rows' rollout.kv.keep_mass")
+    ap.add_argument("--min-budget", type=int, default=0,
+                    help="the -adaptive rows' rollout.kv.min_budget (0: half of --budget)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from common.modeling import load_model

@@ -428,7 +428,7 @@ class NativeEngine:
         if protect is not None:     # the prompt and the window stay whole while they fit
             lo = (protect + kv.obs_window).clamp(min=lo)
         k_d = policies.mass_budgets(curves, n, lo, budget, kv.keep_mass)
-        k = k_d.cpu().numpy()
+        k = np.array(k_d.tolist())          # the one device read of a compression
         width = int(k.max())
         rows_d = torch.arange(rows, device=self.device) if isinstance(rows, int) else rows
         kept = []
