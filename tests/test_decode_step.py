@@ -15,7 +15,8 @@ from common.testmodels import build_model
 
 torch.set_num_threads(1)
 POLICIES = ["dense", "streaming", "h2o", "snapkv", "rkv"]
-ADAPTIVE = ["snapkv-adaptive", "rkv-adaptive"]     # the per-row budget (rollout.kv.keep_mass)
+# the per-row budget (rollout.kv.keep_mass), named as decode_profile names its rows
+ADAPTIVE = [p for p in decode_profile.POLICIES if p.endswith(decode_profile.ADAPTIVE)]
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +25,8 @@ def model(tmp_path_factory):
 
 
 def kv(policy):
-    if policy.endswith("-adaptive"):
-        return KVConfig(policy=policy.removesuffix("-adaptive"), budget=12, compress_every=5,
+    if policy in ADAPTIVE:
+        return KVConfig(policy=policy.removesuffix(decode_profile.ADAPTIVE), budget=12, compress_every=5,
                         obs_window=4, keep_mass=0.9, min_budget=6)
     return KVConfig(policy=policy, budget=12, compress_every=5, sink_tokens=2, obs_window=4,
                     pool_kernel=3)
