@@ -38,9 +38,9 @@ model: $(STAMP)
 	$(PY) launch/make_base_model.py --out $(MODEL)
 
 quick-model: $(STAMP)
-	$(PY) launch/make_base_model.py --task reasoning --response-tokens 60 --kept-share 0 \
+	$(PY) launch/make_base_model.py --task reasoning --settle-target 0 --response-tokens 60 --kept-share 0 \
 	    --lr-schedule cosine --max-steps 1000 --target-acc 0.8 --eval-every 50 --out $(QUICK)-short
-	$(PY) launch/make_base_model.py --task reasoning --response-tokens 200 \
+	$(PY) launch/make_base_model.py --task reasoning --settle-target 0 --response-tokens 200 \
 	    --kept-budgets 30,60,118 --init-from $(QUICK)-short --out $(QUICK)
 
 # The default job: the reasoning task's 1-note form, R-KV rollouts at under half of a dense cache,

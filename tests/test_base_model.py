@@ -76,6 +76,40 @@ def test_init_from_starts_at_the_given_weights(tmp_path):
     assert any(not torch.equal(wa[k], wc[k]) for k in wa)
 
 
+def test_settle_stage_equals_a_second_build_from_the_first(tmp_path):
+    """One command with --settle-target gives the weights of two: the first stage alone, then a
+    build --init-from it with seed + 1, --settle-lr on a cosine over --settle-max-steps and
+    --settle-target as the target (how the reasoning task's fifth base was first built)."""
+    from safetensors.torch import load_file
+
+    settle = ["--settle-target", "1.1", "--settle-max-steps", "4", "--settle-lr", "1e-3"]
+    mbm.build(_args(tmp_path / "one", "--max-steps", "3", "--target-acc", "1.1", *settle),
+              log=lambda s: None)
+    mbm.build(_args(tmp_path / "first", "--max-steps", "3", "--target-acc", "1.1"),
+              log=lambda s: None)
+    mbm.build(_args(tmp_path / "two", "--init-from", str(tmp_path / "first"), "--seed", "1",
+                    "--lr", "1e-3", "--lr-schedule", "cosine", "--max-steps", "4",
+                    "--target-acc", "1.1"), log=lambda s: None)
+    w1, w2 = (load_file(str(tmp_path / n / "model.safetensors")) for n in ("one", "two"))
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+    wf = load_file(str(tmp_path / "first" / "model.safetensors"))
+    assert any(not torch.equal(wf[k], w1[k]) for k in wf)          # the second stage trained
+    m = json.loads((tmp_path / "one" / mbm.METRICS).read_text())
+    assert m["steps"] == 7 and m["settle"]["steps"] == 4 and m["settle"]["seed"] == 1
+    assert len(m["history"]) == 1 and len(m["settle"]["history"]) == 2   # checks every 3 steps
+
+
+@pytest.mark.parametrize("bad, match", [
+    (["--settle-target", "-0.1"], "--settle-target -0.1 must be >= 0"),
+    (["--settle-target", "0.5", "--settle-max-steps", "0"], "--settle-max-steps 0 must be >= 1"),
+    (["--settle-target", "0.5", "--settle-lr", "0"], "--settle-lr 0.0 > 0"),
+])
+def test_bad_settle_options_refused_by_name(tmp_path, bad, match):
+    with pytest.raises(SystemExit, match=match):
+        mbm.build(_args(tmp_path / "x", *bad), log=lambda s: None)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "x.tmp").exists()
+
+
 def test_init_from_refuses_another_shape_or_an_incomplete_dir(tmp_path):
     mbm.build(_args(tmp_path / "a", "--max-steps", "0"), log=lambda s: None)
     with pytest.raises(SystemExit, match="hidden_size is 32 there, 64 for this build"):
