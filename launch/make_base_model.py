@@ -414,10 +414,29 @@ def is_complete(out: Path) -> bool:
     return (out / MARKER).is_file() and (out / "config.json").is_file()
 
 
+def recipe_changes(out: Path, args) -> list[str]:
+    """The build options (all but --out and --force) whose value recorded in ``out``'s
+    ``sft_metrics.json`` differs from ``args``, as ``key: built X, asked Y``: a directory built
+    before a default changed is not what the command builds now. A build that predates
+    --settle-target had no second stage; options it does not record are not compared."""
+    metrics = out / METRICS
+    built = json.loads(metrics.read_text()).get("args", {}) if metrics.is_file() else {}
+    built = {"settle_target": 0.0, **built}
+    asked = vars(args)
+    skip = {"out", "force"} | ({"settle_lr", "settle_max_steps"}
+                               if not asked["settle_target"] and not built["settle_target"] else set())
+    return [f"--{k.replace('_', '-')}: built {built[k]!r}, asked {asked[k]!r}"
+            for k in asked if k not in skip and k in built and built[k] != asked[k]]
+
+
 def build(args, log=print) -> Path:
     """Build the model into ``args.out`` (atomically, via a sibling temp dir); returns the path."""
     out = Path(args.out or TASK_DEFAULTS[args.task]["out"])
     if is_complete(out) and not args.force:
+        stale = recipe_changes(out, args)
+        if stale:
+            raise SystemExit(f"[base model] {out} was built by another recipe ({'; '.join(stale)}): "
+                             "pass --force to rebuild it there, or --out another directory")
         log(f"[base model] {out} exists (delete it or pass --force to rebuild)")
         return out
     torch.set_num_threads(args.threads)

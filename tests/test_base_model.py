@@ -37,11 +37,25 @@ def test_build_reload_and_cache(tmp_path):
     assert model(**enc).logits.shape[-1] == model.config.vocab_size
     assert tok.decode(enc["input_ids"][0], skip_special_tokens=True) == "sum a1b2\n"
 
-    # A complete directory is reused, not rebuilt.
+    # A complete directory is reused, not rebuilt, when the command asks for what it holds.
     stamp = (out / "model.safetensors").stat().st_mtime_ns
     logs.clear()
-    mbm.build(_args(out), log=logs.append)
+    mbm.build(_args(out, "--target-acc", "1.1"), log=logs.append)
     assert (out / "model.safetensors").stat().st_mtime_ns == stamp and "exists" in logs[0]
+    # Built by another recipe: refused by name, and nothing is rebuilt or deleted.
+    with pytest.raises(SystemExit, match=r"another recipe \(--target-acc: built 1.1, asked 0.35\)"):
+        mbm.build(_args(out), log=logs.append)
+    with pytest.raises(SystemExit, match=r"--settle-target: built 0.0, asked 0.5"):
+        mbm.build(_args(out, "--target-acc", "1.1", "--settle-target", "0.5"), log=logs.append)
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+    # A build that predates --settle-target (no such key recorded) had no second stage.
+    m = json.loads((out / mbm.METRICS).read_text())
+    for k in ("settle_target", "settle_lr", "settle_max_steps"):
+        del m["args"][k]
+    (out / mbm.METRICS).write_text(json.dumps(m))
+    mbm.build(_args(out, "--target-acc", "1.1"), log=logs.append)
+    with pytest.raises(SystemExit, match=r"--settle-target: built 0.0, asked 0.5"):
+        mbm.build(_args(out, "--target-acc", "1.1", "--settle-target", "0.5"), log=logs.append)
 
 
 def test_deterministic_from_seed(tmp_path):
