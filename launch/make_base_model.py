@@ -356,9 +356,9 @@ def settle_args(args) -> argparse.Namespace:
     ``--settle-max-steps``, and ``--settle-target`` as the stop. The first stage stops at the
     first check over its target at a constant lr, so where it stops is luck (the reasoning base
     has stopped mid-jump, at 0.42, and at 0.57 on another machine); the second goes on at half
-    the lr, decaying, until a higher target, so the build ends at a settled strength whatever
+    the lr, decaying, until a higher check, so the build ends at or above that check whatever
     the first stage's luck (docs/RESULTS.md, "The settled base recipe"). It is the same as a
-    second build with ``--init-from`` the first and those options."""
+    second build with ``--init-from`` the first and those options (tested)."""
     return argparse.Namespace(**{**vars(args), "seed": args.seed + 1, "lr": args.settle_lr,
                                  "lr_schedule": "cosine", "max_steps": args.settle_max_steps,
                                  "target_acc": args.settle_target, "settle_target": 0.0})
