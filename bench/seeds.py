@@ -5,9 +5,11 @@ standard error, and how many seeds a bar needs (issue 28).
         [--bar 0.97] [--key acc_dense_decode] [--json PATH]
 
 One comparison is often run as several ``compare.py`` calls (a seed or an arm at a time). This
-reads their ``compare.json`` files and groups the rows by (eviction policy, arm, budget). The
-dense arm trains once per seed (its rows repeat per budget), so dense rows are keyed by seed
-alone and are every group's reference. The same (policy, arm, budget, seed) in two inputs is
+reads their ``compare.json`` files and groups the rows by (eviction policy, arm, budget, the
+overrides after ``--`` in the command): the same arm run under two designs, e.g. with
+``rollout.kv.protect_prompt`` true and false, is two groups. The dense arm trains once per seed
+and never evicts (its rows repeat per budget), so dense rows are keyed by seed alone and are
+every group's reference. The same (policy, arm, budget, overrides, seed) in two inputs is
 refused, naming both, as is a dense seed whose two inputs disagree: which run counts is the
 caller's choice, made by the inputs given. ``--seeds`` keeps those seeds only.
 
@@ -27,7 +29,7 @@ Per group, over the seeds ``s`` that have both the arm and dense (values ``a_s``
   cache of the same rows (``rollout/kv_vs_dense``, peak bytes per sequence, the KV the bars are
   read on) and ``kept_ratio`` (time-averaged: tokens kept over tokens seen, mean over decode
   steps, which credits a schedule that holds less early in a sequence); and the ``--``
-  overrides of the commands its rows came from.
+  overrides of the commands its rows came from (a table column when the groups differ).
 
 Writes a markdown table to stdout and, with ``--json``, the groups as a list of objects.
 """
@@ -75,7 +77,8 @@ def load(paths: list[str]) -> list[dict]:
 
 
 def index(rows: list[dict], key: str, seeds: set[int] | None) -> tuple[dict, dict]:
-    """``(dense by seed, {(policy, arm, budget): {seed: row}})``; refuses duplicates."""
+    """``(dense by seed, {(policy, arm, budget, overrides): {seed: row}})``; refuses
+    duplicates. Dense never evicts, so one dense run a seed serves every design."""
     dense, groups = {}, {}
     for r in rows:
         if seeds is not None and r["seed"] not in seeds:
@@ -90,7 +93,8 @@ def index(rows: list[dict], key: str, seeds: set[int] | None) -> tuple[dict, dic
                                  f"{old['source']} and {r[key]} in {r['source']}; give one")
             dense[r["seed"]] = r
             continue
-        g = groups.setdefault((r["policy"], r["arm"], r["budget"]), {})
+        # runs of another design (other overrides) are another group, not a duplicate
+        g = groups.setdefault((r["policy"], r["arm"], r["budget"], r["overrides"]), {})
         if r["seed"] in g:
             raise SystemExit(f"bench/seeds.py: {r['policy']} {r['arm']} budget {r['budget']} "
                              f"seed {r['seed']} twice: {g[r['seed']]['source']} and "
@@ -116,14 +120,15 @@ def share_stats(a: list[float], d: list[float], bar: float | None = None) -> dic
 
 def pool(rows: list[dict], key: str = "acc_dense_decode", seeds: set[int] | None = None,
          bar: float | None = None) -> list[dict]:
-    """One record per (policy, arm, budget) with the paired statistics, dense first."""
+    """One record per (policy, arm, budget, overrides) with the paired statistics, dense
+    first."""
     dense, groups = index(rows, key, seeds)
     out = []
     if dense:
         out.append({"policy": None, "arm": REFERENCE, "budget": None, "seeds": sorted(dense),
                     **_values([dense[s][key] for s in sorted(dense)]),
                     "overrides": sorted({dense[s]["overrides"] for s in dense})})
-    for (policy, arm, budget), g in sorted(groups.items(), key=lambda kv: str(kv[0])):
+    for (policy, arm, budget, _), g in sorted(groups.items(), key=lambda kv: str(kv[0])):
         both = sorted(s for s in g if s in dense)
         rec = {"policy": policy, "arm": arm, "budget": budget, "seeds": sorted(g),
                **_values([g[s][key] for s in sorted(g)]), "paired_seeds": both,
@@ -155,10 +160,13 @@ def _kv(rows: list[dict]) -> dict:
 
 
 def markdown(groups: list[dict], key: str, bar: float | None) -> str:
+    """The groups as a table; a last column names each group's overrides when they differ (the
+    same arm under two designs is two rows)."""
     f = lambda v, spec=".3f": "" if v is None else format(v, spec)  # noqa: E731
+    differ = len({o for g in groups for o in g["overrides"]}) > 1
     head = ["policy", "arm", "budget", "seeds", key, "mean ± sd", "dense mean (same seeds)",
             "share of dense", "± se", "per-seed shares", f"seeds for ±2 se at {bar}",
-            "rollout KV (peak)", "kept (time-avg)"]
+            "rollout KV (peak)", "kept (time-avg)", *(["overrides"] if differ else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g in groups:
         cells = [g["policy"] or "", g["arm"], "" if g["budget"] is None else str(g["budget"]),
@@ -167,13 +175,9 @@ def markdown(groups: list[dict], key: str, bar: float | None) -> str:
                  f(g.get("dense_mean")), f(g.get("share"), ".1%"), f(g.get("share_se"), ".1%"),
                  " / ".join(f(v, ".1%") for v in g.get("seed_shares", [])),
                  "" if g.get("seeds_for_bar") is None else str(g["seeds_for_bar"]),
-                 f(g.get("rollout_kv_vs_dense")), f(g.get("kept_ratio"))]
+                 f(g.get("rollout_kv_vs_dense")), f(g.get("kept_ratio")),
+                 *(["; ".join(f"`{o}`" for o in g["overrides"])] if differ else [])]
         lines.append("| " + " | ".join(cells) + " |")
-    over = {o for g in groups for o in g["overrides"]}
-    if len(over) > 1:
-        lines.append("")
-        lines += [f"- {g['policy'] or ''} {g['arm']} {g['budget'] or ''}: overrides {g['overrides']}"
-                  for g in groups]
     return "\n".join(lines)
 
 

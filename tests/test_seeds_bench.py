@@ -71,6 +71,30 @@ def test_dense_is_every_budgets_reference_and_duplicates_are_refused(tmp_path):
         load([str(tmp_path / "missing")])
 
 
+def test_one_arm_under_two_designs_is_two_groups_against_one_dense(tmp_path, capsys):
+    kept = write_compare(tmp_path / "kept", [row("dense", 90, 0, 0.8), row("dense", 90, 1, 0.6),
+                                             row("sparse_rl", 90, 0, 0.7),
+                                             row("sparse_rl", 90, 1, 0.5)])
+    free = write_compare(tmp_path / "free", [row("sparse_rl", 90, 0, 0.76),
+                                             row("sparse_rl", 90, 1, 0.6)],
+                         overrides="rollout.kv.protect_prompt=false")
+    groups = pool(load([str(kept), str(free)]))
+    rl = {g["overrides"][0]: g for g in groups if g["arm"] == "sparse_rl"}
+    assert set(rl) == {"rollout.kv.protect_prompt=true", "rollout.kv.protect_prompt=false"}
+    assert rl["rollout.kv.protect_prompt=true"]["share"] == pytest.approx(1.2 / 1.4)
+    assert rl["rollout.kv.protect_prompt=false"]["share"] == pytest.approx(1.36 / 1.4)
+    assert main([str(kept), str(free)]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0].endswith("| overrides |")
+    assert "| 0.760 0.600 | 0.680 ± 0.113 |" in text
+    assert text.count("`rollout.kv.protect_prompt=false`") == 1
+    # the same design twice is still a duplicate
+    again = write_compare(tmp_path / "again", [row("sparse_rl", 90, 0, 0.75)],
+                          overrides="rollout.kv.protect_prompt=false")
+    with pytest.raises(SystemExit, match="sparse_rl budget 90 seed 0 twice"):
+        pool(load([str(free), str(again)]))
+
+
 def test_main_end_to_end_with_kv_from_the_runs(tmp_path, capsys):
     runs = []
     for seed, (kv, kept) in enumerate([(0.3, 0.6), (0.5, 0.8)]):
