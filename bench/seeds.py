@@ -9,9 +9,10 @@ reads their ``compare.json`` files and groups the rows by (eviction policy, arm,
 overrides after ``--`` in the command): the same arm run under two designs, e.g. with
 ``rollout.kv.protect_prompt`` true and false, is two groups. The dense arm trains once per seed
 and never evicts (its rows repeat per budget), so dense rows are keyed by seed alone and are
-every group's reference. The same (policy, arm, budget, overrides, seed) in two inputs is
-refused, naming both, as is a dense seed whose two inputs disagree: which run counts is the
-caller's choice, made by the inputs given. ``--seeds`` keeps those seeds only.
+every group's reference (overrides in another order are the same design). The same (policy,
+arm, budget, overrides, seed) in two inputs is refused, naming both, as is a dense seed whose
+two inputs disagree: which run counts is the caller's choice, made by the inputs given.
+``--seeds`` keeps those seeds only.
 
 Per group, over the seeds ``s`` that have both the arm and dense (values ``a_s``, ``d_s`` of
 ``--key``, the final model decoded dense on the comparison's held-out problems by default):
@@ -77,7 +78,7 @@ def load(paths: list[str]) -> list[dict]:
 
 
 def index(rows: list[dict], key: str, seeds: set[int] | None) -> tuple[dict, dict]:
-    """``(dense by seed, {(policy, arm, budget, overrides): {seed: row}})``; refuses
+    """``(dense by seed, {(policy, arm, budget, sorted overrides): {seed: row}})``; refuses
     duplicates. Dense never evicts, so one dense run a seed serves every design."""
     dense, groups = {}, {}
     for r in rows:
@@ -93,8 +94,10 @@ def index(rows: list[dict], key: str, seeds: set[int] | None) -> tuple[dict, dic
                                  f"{old['source']} and {r[key]} in {r['source']}; give one")
             dense[r["seed"]] = r
             continue
-        # runs of another design (other overrides) are another group, not a duplicate
-        g = groups.setdefault((r["policy"], r["arm"], r["budget"], r["overrides"]), {})
+        # runs of another design (other overrides) are another group, not a duplicate; the
+        # same overrides in another order are the same design
+        design = tuple(sorted(r["overrides"].split()))
+        g = groups.setdefault((r["policy"], r["arm"], r["budget"], design), {})
         if r["seed"] in g:
             raise SystemExit(f"bench/seeds.py: {r['policy']} {r['arm']} budget {r['budget']} "
                              f"seed {r['seed']} twice: {g[r['seed']]['source']} and "

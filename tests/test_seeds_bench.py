@@ -88,11 +88,19 @@ def test_one_arm_under_two_designs_is_two_groups_against_one_dense(tmp_path, cap
     assert text.splitlines()[0].endswith("| overrides |")
     assert "| 0.760 0.600 | 0.680 ± 0.113 |" in text
     assert text.count("`rollout.kv.protect_prompt=false`") == 1
-    # the same design twice is still a duplicate
+    # the same design twice is still a duplicate, whatever the order of its overrides
     again = write_compare(tmp_path / "again", [row("sparse_rl", 90, 0, 0.75)],
                           overrides="rollout.kv.protect_prompt=false")
     with pytest.raises(SystemExit, match="sparse_rl budget 90 seed 0 twice"):
         pool(load([str(free), str(again)]))
+    ab = write_compare(tmp_path / "ab", [row("sparse_rl", 90, 0, 0.7)],
+                       overrides="rollout.kv.protect_prompt=false rollout.kv.compress_every=32")
+    ba = write_compare(tmp_path / "ba", [row("sparse_rl", 90, 1, 0.5)],
+                       overrides="rollout.kv.compress_every=32 rollout.kv.protect_prompt=false")
+    assert [g["seeds"] for g in pool(load([str(ab), str(ba)]))] == [[0, 1]]
+    with pytest.raises(SystemExit, match="sparse_rl budget 90 seed 0 twice"):
+        pool(load([str(ab), str(write_compare(tmp_path / "ba0", [row("sparse_rl", 90, 0, 0.6)],
+              overrides="rollout.kv.compress_every=32 rollout.kv.protect_prompt=false"))]))
 
 
 def test_main_end_to_end_with_kv_from_the_runs(tmp_path, capsys):
