@@ -60,7 +60,8 @@ KV_STATS = (("rollout_kv_vs_dense", "rollout/kv_vs_dense", "mean"),
 
 def load(paths: list[str]) -> list[dict]:
     """Rows of the ``compare.json`` files (a file, or a ``compare-*`` directory holding one), each
-    with its source file, eviction policy and the overrides after ``--`` in its command."""
+    with its source file, eviction policy and the overrides after ``--`` in its command (sorted,
+    so one design has one spelling)."""
     rows = []
     for p in paths:
         path = Path(p) / "compare.json" if Path(p).is_dir() else Path(p)
@@ -70,7 +71,8 @@ def load(paths: list[str]) -> list[dict]:
         if "rows" not in doc:
             raise SystemExit(f"bench/seeds.py: {path} has no 'rows' (not a compare.py result)")
         cmd = doc.get("command", "")
-        overrides = cmd.split(" -- ", 1)[1] if " -- " in cmd else ""
+        # a design is its set of overrides: the same ones in another order are the same design
+        overrides = " ".join(sorted(cmd.split(" -- ", 1)[1].split())) if " -- " in cmd else ""
         for r in doc["rows"]:
             rows.append(r | {"source": str(path), "policy": doc.get("policy", "rkv"),
                              "overrides": overrides})
@@ -78,7 +80,7 @@ def load(paths: list[str]) -> list[dict]:
 
 
 def index(rows: list[dict], key: str, seeds: set[int] | None) -> tuple[dict, dict]:
-    """``(dense by seed, {(policy, arm, budget, sorted overrides): {seed: row}})``; refuses
+    """``(dense by seed, {(policy, arm, budget, overrides): {seed: row}})``; refuses
     duplicates. Dense never evicts, so one dense run a seed serves every design."""
     dense, groups = {}, {}
     for r in rows:
@@ -94,10 +96,8 @@ def index(rows: list[dict], key: str, seeds: set[int] | None) -> tuple[dict, dic
                                  f"{old['source']} and {r[key]} in {r['source']}; give one")
             dense[r["seed"]] = r
             continue
-        # runs of another design (other overrides) are another group, not a duplicate; the
-        # same overrides in another order are the same design
-        design = tuple(sorted(r["overrides"].split()))
-        g = groups.setdefault((r["policy"], r["arm"], r["budget"], design), {})
+        # runs of another design (other overrides) are another group, not a duplicate
+        g = groups.setdefault((r["policy"], r["arm"], r["budget"], r["overrides"]), {})
         if r["seed"] in g:
             raise SystemExit(f"bench/seeds.py: {r['policy']} {r['arm']} budget {r['budget']} "
                              f"seed {r['seed']} twice: {g[r['seed']]['source']} and "

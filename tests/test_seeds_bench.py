@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from bench.seeds import load, main, pool, share_stats
+from bench.seeds import load, main, markdown, pool, share_stats
 
 
 def test_share_and_its_standard_error_by_hand():
@@ -97,7 +97,10 @@ def test_one_arm_under_two_designs_is_two_groups_against_one_dense(tmp_path, cap
                        overrides="rollout.kv.protect_prompt=false rollout.kv.compress_every=32")
     ba = write_compare(tmp_path / "ba", [row("sparse_rl", 90, 1, 0.5)],
                        overrides="rollout.kv.compress_every=32 rollout.kv.protect_prompt=false")
-    assert [g["seeds"] for g in pool(load([str(ab), str(ba)]))] == [[0, 1]]
+    one = pool(load([str(ab), str(ba)]))
+    assert [(g["seeds"], g["overrides"]) for g in one] == [
+        ([0, 1], ["rollout.kv.compress_every=32 rollout.kv.protect_prompt=false"])]
+    assert "| overrides |" not in markdown(one, "acc_dense_decode", None)
     with pytest.raises(SystemExit, match="sparse_rl budget 90 seed 0 twice"):
         pool(load([str(ab), str(write_compare(tmp_path / "ba0", [row("sparse_rl", 90, 0, 0.6)],
               overrides="rollout.kv.compress_every=32 rollout.kv.protect_prompt=false"))]))
