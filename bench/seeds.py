@@ -131,11 +131,11 @@ def pool(rows: list[dict], key: str = "acc_dense_decode", seeds: set[int] | None
         out.append({"policy": None, "arm": REFERENCE, "budget": None, "seeds": sorted(dense),
                     **_values([dense[s][key] for s in sorted(dense)]),
                     "overrides": sorted({dense[s]["overrides"] for s in dense})})
-    for (policy, arm, budget, _), g in sorted(groups.items(), key=lambda kv: str(kv[0])):
+    for (policy, arm, budget, overrides), g in sorted(groups.items(), key=lambda kv: str(kv[0])):
         both = sorted(s for s in g if s in dense)
         rec = {"policy": policy, "arm": arm, "budget": budget, "seeds": sorted(g),
                **_values([g[s][key] for s in sorted(g)]), "paired_seeds": both,
-               "overrides": sorted({g[s]["overrides"] for s in g}),
+               "overrides": [overrides],   # the group's key: one design a group
                **_kv([g[s] for s in sorted(g)])}
         if both:
             paired = share_stats([g[s][key] for s in both], [dense[s][key] for s in both], bar)
