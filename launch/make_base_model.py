@@ -393,7 +393,7 @@ def _positions(task) -> int:
 def load_init(model, src: Path) -> None:
     """Copy the weights of the built model in ``src`` into ``model``, refusing a directory that
     is not a complete build or whose shape differs (naming the config key), so SFT goes on from
-    what that build learned."""
+    what that build learned. ``model`` may have more positions than ``src`` (not fewer)."""
     from common.modeling import load_model
 
     if not is_complete(src):
@@ -403,10 +403,16 @@ def load_init(model, src: Path) -> None:
     theirs, ours = init.config.to_dict(), model.config.to_dict()
     for key in ("model_type", "vocab_size", "hidden_size", "intermediate_size",
                 "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "max_position_embeddings", "tie_word_embeddings"):
+                "rope_theta", "tie_word_embeddings"):
         if theirs.get(key) != ours.get(key):
             raise SystemExit(f"--init-from {src}: {key} is {theirs.get(key)!r} there, "
                              f"{ours.get(key)!r} for this build")
+    # RoPE: no weight depends on the position count, so a longer task's build may go on from a
+    # shorter one's weights (a length curriculum); fewer positions would cut what it was built for.
+    if ours["max_position_embeddings"] < theirs["max_position_embeddings"]:
+        raise SystemExit(f"--init-from {src}: max_position_embeddings is "
+                         f"{theirs['max_position_embeddings']} there, "
+                         f"{ours['max_position_embeddings']} for this build (fewer)")
     model.load_state_dict(init.state_dict())
 
 

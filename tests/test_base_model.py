@@ -135,6 +135,25 @@ def test_init_from_refuses_another_shape_or_an_incomplete_dir(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
 
 
+def test_init_from_goes_on_to_more_positions_not_fewer(tmp_path):
+    """A length curriculum: a longer task's build (more RoPE positions) starts from a shorter
+    one's weights unchanged; a build with fewer positions than its source is refused by name."""
+    from transformers import AutoTokenizer
+
+    mbm.build(_args(tmp_path / "a", "--max-steps", "0"), log=lambda s: None)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "a"))
+    shape = dict(vocab_size=len(tok), hidden=32, layers=1, heads=2, tok=tok)
+    longer = mbm.build_model(**shape, max_positions=2048)
+    mbm.load_init(longer, tmp_path / "a")
+    src = mbm.build_model(**shape)
+    mbm.load_init(src, tmp_path / "a")
+    a, b = src.state_dict(), longer.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert longer.config.max_position_embeddings == 2048
+    with pytest.raises(SystemExit, match="max_position_embeddings is 1024 there, 512 for this"):
+        mbm.load_init(mbm.build_model(**shape, max_positions=512), tmp_path / "a")
+
+
 def test_lr_schedule_warms_up_then_holds_or_decays_to_a_tenth():
     import math
 
