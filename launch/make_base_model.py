@@ -71,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--force", action="store_true", help="rebuild even if the directory is complete")
     p.add_argument("--init-from", default="",
                    help="start SFT from this built model directory's weights (same shape: "
-                        "--hidden/--layers/--heads and the task's vocabulary and positions) "
+                        "--hidden/--layers/--heads and the task's vocabulary; at least its positions) "
                         "instead of a fresh initialisation, e.g. a model built on a shorter "
                         "form of the task")
     p.add_argument("--hidden", type=int, default=None)
