@@ -200,4 +200,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    from common.cpu_isa import pin_cpu_isa
+
+    pin_cpu_isa()
     sys.exit(main(sys.argv[1:]))

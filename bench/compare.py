@@ -63,6 +63,7 @@ REPO = Path(__file__).resolve().parent.parent
 _HERE = str(Path(__file__).resolve().parent)
 sys.path[:] = [str(REPO)] + [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
+from common.cpu_isa import cpu_capability  # noqa: E402
 from bench.compare_eval import aggregate, decode_accuracy, markdown, plot, run_stats  # noqa: E402
 
 # The project modules this driver and bench/compare_eval import inside functions (the final
@@ -369,8 +370,10 @@ def main(argv: list[str]) -> int:
               *(o for o in args.overrides if o not in args.replan)]
     if args.build_model:
         ensure_model(args.task, args.model)
-    base = {"path": str(args.model), "sha256": weights_digest(args.model)}
-    print(f"[compare] base {base['path']}: weights sha256 {base['sha256']}", flush=True)
+    base = {"path": str(args.model), "sha256": weights_digest(args.model),
+            "cpu_capability": cpu_capability()}
+    print(f"[compare] base {base['path']}: weights sha256 {base['sha256']}, "
+          f"{base['cpu_capability']} kernels", flush=True)
     args.budgets, shares = resolve_budgets(args.budgets, common)
     if args.steps is not None:
         common.append(f"run.steps={args.steps}")
@@ -476,5 +479,8 @@ def _reports(jobs: list[dict], budgets: list[int], out: Path) -> None:
 
 
 if __name__ == "__main__":
+    from common.cpu_isa import pin_cpu_isa
+
+    pin_cpu_isa()  # the training runs it starts pin themselves (launch/train.py)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     sys.exit(main(sys.argv[1:]))

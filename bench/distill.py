@@ -183,4 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from common.cpu_isa import pin_cpu_isa
+
+    pin_cpu_isa()
     sys.exit(main())

@@ -164,4 +164,7 @@ def main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
+    from common.cpu_isa import pin_cpu_isa
+
+    pin_cpu_isa()
     main(sys.argv[1:])

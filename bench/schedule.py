@@ -335,4 +335,7 @@ def _fmt(v) -> str:
 
 
 if __name__ == "__main__":
+    from common.cpu_isa import pin_cpu_isa
+
+    pin_cpu_isa()
     main()

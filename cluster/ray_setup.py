@@ -6,6 +6,7 @@ import tempfile
 from pathlib import Path
 
 from cluster.config import ClusterConfig
+from common.cpu_isa import pinned_env
 
 # Environment every actor process gets: one BLAS/torch thread (2 cores are easily oversubscribed) and
 # the project's cached torch extensions (DeepSpeed compiles ops on first use otherwise).
@@ -21,6 +22,7 @@ def worker_env() -> dict[str, str]:
             "TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions")),
         "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
         "PYTHONUNBUFFERED": "1",
+        **pinned_env(),  # the driver's CPU kernel pin (common/cpu_isa.py), if it pinned
     }
 
 

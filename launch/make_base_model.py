@@ -10,7 +10,9 @@ held-out greedy accuracy 0.453 (128 problems; 0.465 on 256). ``--threads 1``: 90
 
 The model is trained only until its greedy held-out accuracy crosses ``--target-acc`` (checked every
 ``--eval-every`` steps, capped by ``--max-steps``), so it is competent but far from perfect and RL has
-room to improve it. Everything is a function of ``--seed`` (one torch thread, seeded data order).
+room to improve it. Everything is a function of ``--seed`` (seeded data order, ``--threads``) and,
+since the script pins torch's CPU kernels to AVX2 (``common/cpu_isa.py``), the same on any x86-64
+machine; ``sft_metrics.json`` records the kernels, and a build under other kernels is not reused.
 ``--kept-share`` (reasoning: 0.5) trains that share of each batch under the kept sets the rollout
 engine's KV policy would have at one of ``--kept-budgets`` (``kept_set_evictions``), so the model
 keeps working when most of its KV is evicted, the way large pretrained models do.
@@ -36,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from common.cpu_isa import cpu_capability
 from learner.config import LearnerConfig
 from learner.engine_setup import lr_lambda as learner_lr_lambda
 from tasks import ReasoningConfig, TaskConfig, TaskName, make_task
@@ -424,15 +427,20 @@ def recipe_changes(out: Path, args) -> list[str]:
     """The build options (all but --out and --force) whose value recorded in ``out``'s
     ``sft_metrics.json`` differs from ``args``, as ``key: built X, asked Y``: a directory built
     before a default changed is not what the command builds now. A build that predates
-    --settle-target had no second stage; options it does not record are not compared."""
+    --settle-target had no second stage; options it does not record are not compared. The CPU
+    kernels count too (common/cpu_isa.py): a build from before the pin recorded none."""
     metrics = out / METRICS
-    built = json.loads(metrics.read_text()).get("args", {}) if metrics.is_file() else {}
-    built = {"settle_target": 0.0, **built}
+    record = json.loads(metrics.read_text()) if metrics.is_file() else {}
+    built = {"settle_target": 0.0, **record.get("args", {})}
     asked = vars(args)
     skip = {"out", "force"} | ({"settle_lr", "settle_max_steps"}
                                if not asked["settle_target"] and not built["settle_target"] else set())
-    return [f"--{k.replace('_', '-')}: built {built[k]!r}, asked {asked[k]!r}"
-            for k in asked if k not in skip and k in built and built[k] != asked[k]]
+    stale = [f"--{k.replace('_', '-')}: built {built[k]!r}, asked {asked[k]!r}"
+             for k in asked if k not in skip and k in built and built[k] != asked[k]]
+    kernels = record.get("cpu_capability", "unrecorded")
+    if kernels != cpu_capability():
+        stale.append(f"CPU kernels: built {kernels!r}, this process {cpu_capability()!r}")
+    return stale
 
 
 def build(args, log=print) -> Path:
@@ -489,7 +497,7 @@ def build(args, log=print) -> Path:
     metrics = sft(model, tok, task, args, log)
     if args.settle_target:
         metrics = settle(model, tok, args, metrics, log)
-    metrics.update(params=n_params, seed=args.seed, args=vars(args),
+    metrics.update(params=n_params, seed=args.seed, args=vars(args), cpu_capability=cpu_capability(),
                    task={k: (v.value if hasattr(v, "value") else v)
                          for k, v in asdict(task_cfg).items()})
     model.save_pretrained(str(tmp), safe_serialization=True)
@@ -509,4 +517,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from common.cpu_isa import pin_cpu_isa
+
+    pin_cpu_isa()
     sys.exit(main())

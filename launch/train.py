@@ -163,6 +163,8 @@ def main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":  # exit codes: launch/cli.py (0 done, 2 bad input, 3 fault, 143 SIGTERM)
+    from common.cpu_isa import pin_cpu_isa
     from launch.cli import exit_code
 
+    pin_cpu_isa()  # the same kernels on every x86-64 machine; the actors inherit it (worker_env)
     sys.exit(exit_code(main, sys.argv[1:], __doc__))

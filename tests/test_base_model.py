@@ -56,6 +56,17 @@ def test_build_reload_and_cache(tmp_path):
     mbm.build(_args(out, "--target-acc", "1.1"), log=logs.append)
     with pytest.raises(SystemExit, match=r"--settle-target: built 0.0, asked 0.5"):
         mbm.build(_args(out, "--target-acc", "1.1", "--settle-target", "0.5"), log=logs.append)
+    # Built under other CPU kernels (common/cpu_isa.py), or before they were recorded: not the
+    # weights this process would build, so refused by name too.
+    kernels = torch.backends.cpu.get_cpu_capability()
+    assert m["cpu_capability"] == kernels
+    for built in ("SOMETHING_ELSE", None):
+        m["cpu_capability"] = built
+        (out / mbm.METRICS).write_text(json.dumps({k: v for k, v in m.items() if v is not None}))
+        shown = "'unrecorded'" if built is None else repr(built)
+        with pytest.raises(SystemExit, match=f"CPU kernels: built {shown}, this process '{kernels}'"):
+            mbm.build(_args(out, "--target-acc", "1.1"), log=logs.append)
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
 
 
 def test_deterministic_from_seed(tmp_path):
