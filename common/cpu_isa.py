@@ -23,7 +23,8 @@ PIN = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": 
 
 
 def pinned_env() -> dict[str, str]:
-    """The pinning variables this process has set (for the actors it starts)."""
+    """The pinning variables in this process's environment, set by ``pin_cpu_isa`` or by the
+    user, for the actors it starts (``cluster.ray_setup.worker_env``)."""
     return {k: os.environ[k] for k in PIN if k in os.environ}
 
 
