@@ -1,12 +1,13 @@
-"""One CPU instruction set for every kernel, so a seed gives the same weights on any x86-64 machine.
+"""One CPU instruction set for every kernel, so a seed gives the same weights on AVX2 and AVX-512 CPUs.
 
 torch picks its vectorised CPU kernels (ATen's softmax, reductions, elementwise ops) by the CPU it
 runs on: AVX-512 where the CPU has it, else AVX2. The two round differently, so the same command
 and seed built one base model on an AVX2 machine and another on an AVX-512 one, and every figure
 measured on a base held only on the machine that built it (docs/RESULTS.md, "Why the rebuild
 differs"). Capping ATen (``ATEN_CPU_CAPABILITY``), MKL (``MKL_CBWR``, its conditional numerical
-reproducibility switch) and oneDNN (``ONEDNN_MAX_CPU_ISA``) at AVX2 makes them agree; the record of
-that check is in docs/RESULTS.md ("One instruction set for every machine").
+reproducibility switch) and oneDNN (``ONEDNN_MAX_CPU_ISA``) at AVX2 made an AVX-512 machine rebuild
+an AVX2-only machine's base bit for bit (two AMD EPYCs; docs/RESULTS.md, "One instruction set for
+every machine"); an Intel CPU, whose MKL path differs, has not been checked.
 
 The scripts whose figures are compared across machines (base builds, training, the comparison and
 the held-out decodes) call ``pin_cpu_isa`` first thing when run as scripts; Ray actors get the same

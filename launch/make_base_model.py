@@ -11,8 +11,8 @@ held-out greedy accuracy 0.453 (128 problems; 0.465 on 256). ``--threads 1``: 90
 The model is trained only until its greedy held-out accuracy crosses ``--target-acc`` (checked every
 ``--eval-every`` steps, capped by ``--max-steps``), so it is competent but far from perfect and RL has
 room to improve it. Everything is a function of ``--seed`` (seeded data order, ``--threads``) and,
-since the script pins torch's CPU kernels to AVX2 (``common/cpu_isa.py``), the same on any x86-64
-machine; ``sft_metrics.json`` records the kernels, and a build under other kernels is not reused.
+since the script pins torch's CPU kernels to AVX2 (``common/cpu_isa.py``), the same on AVX2 and
+AVX-512 machines; ``sft_metrics.json`` records the kernels, and a build under others is not reused.
 ``--kept-share`` (reasoning: 0.5) trains that share of each batch under the kept sets the rollout
 engine's KV policy would have at one of ``--kept-budgets`` (``kept_set_evictions``), so the model
 keeps working when most of its KV is evicted, the way large pretrained models do.
