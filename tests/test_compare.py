@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import train_env
 from PIL import Image
 
@@ -122,7 +123,10 @@ def test_quick_compare_runs_every_arm(tiny_model, tmp_path):
     assert by_arm["naive_sparse"]["signal_dropped_neg"] == by_arm["dense"]["signal_dropped_pos"] == 0
     md = (out / "compare.md").read_text()
     assert all(f"| {arm} | 16 |" in md for arm in ran)
-    assert result["base"] == {"path": str(tiny_model), "sha256": weights_digest(tiny_model)}
+    # The comparison pins its CPU kernels (common/cpu_isa.py) and records them beside the digest.
+    kernels = "AVX2" if torch.cpu._is_avx2_supported() else torch.backends.cpu.get_cpu_capability()
+    assert result["base"] == {"path": str(tiny_model), "sha256": weights_digest(tiny_model),
+                              "cpu_capability": kernels}
     assert f"weights sha256 `{result['base']['sha256']}`" in md
     assert all(f"missing arm `{m['arm']}`" in md for m in result["missing"])
     titles = json.loads(Image.open(out / "compare.png").info["Description"])["panels"]
