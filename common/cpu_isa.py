@@ -29,6 +29,14 @@ def pinned_env() -> dict[str, str]:
     return {k: os.environ[k] for k in PIN if k in os.environ}
 
 
+def has_avx2() -> bool:
+    """Whether this CPU can run the pinned kernels (where it cannot, ``pin_cpu_isa`` leaves the
+    process as it is); reads the CPU's flags, so it does not fix torch's capability."""
+    import torch
+
+    return torch.cpu._is_avx2_supported()
+
+
 def cpu_capability() -> str:
     """The kernel set torch runs in this process (``AVX2``, ``AVX512``, ``DEFAULT``, ...), as
     recorded beside a build or a comparison; calling it fixes the capability like any operation."""
@@ -41,9 +49,7 @@ def pin_cpu_isa() -> str:
     """Cap this process's CPU kernels at AVX2 (unless the environment already says otherwise);
     returns the capability torch uses. Must run before torch's first operation, which fixes the
     capability for the life of the process: a later call raises instead of pinning nothing."""
-    import torch
-
-    if not torch.cpu._is_avx2_supported():
+    if not has_avx2():
         return cpu_capability()
     for key, value in PIN.items():
         os.environ.setdefault(key, value)

@@ -437,9 +437,9 @@ def recipe_changes(out: Path, args) -> list[str]:
                                if not asked["settle_target"] and not built["settle_target"] else set())
     stale = [f"--{k.replace('_', '-')}: built {built[k]!r}, asked {asked[k]!r}"
              for k in asked if k not in skip and k in built and built[k] != asked[k]]
-    kernels = record.get("cpu_capability", "unrecorded")
-    if kernels != cpu_capability():
-        stale.append(f"CPU kernels: built {kernels!r}, this process {cpu_capability()!r}")
+    kernels, ours = record.get("cpu_capability", "unrecorded"), cpu_capability()
+    if kernels != ours:
+        stale.append(f"CPU kernels: built {kernels!r}, this process {ours!r}")
     return stale
 
 

@@ -16,6 +16,7 @@ from PIL import Image
 from bench import compare
 from bench.compare import ARMS, has_key, parse, plan, resolve_budgets, time_to, weights_digest
 from bench.compare_eval import aggregate, markdown
+from common.cpu_isa import has_avx2
 
 REPO = Path(__file__).resolve().parent.parent
 ROW_KEYS = {"arm", "budget", "seed", "acc_dense_decode", "acc_sparse_decode", "acc_base",
@@ -124,7 +125,7 @@ def test_quick_compare_runs_every_arm(tiny_model, tmp_path):
     md = (out / "compare.md").read_text()
     assert all(f"| {arm} | 16 |" in md for arm in ran)
     # The comparison pins its CPU kernels (common/cpu_isa.py) and records them beside the digest.
-    kernels = "AVX2" if torch.cpu._is_avx2_supported() else torch.backends.cpu.get_cpu_capability()
+    kernels = "AVX2" if has_avx2() else torch.backends.cpu.get_cpu_capability()
     assert result["base"] == {"path": str(tiny_model), "sha256": weights_digest(tiny_model),
                               "cpu_capability": kernels}
     assert f"weights sha256 `{result['base']['sha256']}`" in md

@@ -9,12 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from common.cpu_isa import PIN
+from common.cpu_isa import PIN, has_avx2
 
 REPO = Path(__file__).resolve().parent.parent
-needs_avx2 = pytest.mark.skipif(not torch.cpu._is_avx2_supported(), reason="a CPU without AVX2")
+needs_avx2 = pytest.mark.skipif(not has_avx2(), reason="a CPU without AVX2")
 # The scripts that pin when run (speed benchmarks measure the machine and do not).
 PINNED_SCRIPTS = ["launch/make_base_model.py", "launch/train.py", "bench/compare.py",
                   "bench/heldout.py", "bench/attention.py", "bench/lookups.py",
