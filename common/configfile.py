@@ -56,6 +56,9 @@ def parse_override(item: str):
     key, _, value = item.partition("=")
     try:
         return OmegaConf.from_dotlist([item])
+    except IndexError:  # omegaconf 2.4's key-path parser reads past the end of a lone "[" key
+        raise ConfigError(key, value, "a dotted key such as run.steps (command line: OmegaConf "
+                                      "cannot parse this key)") from None
     except (yaml.YAMLError, OmegaConfBaseException, ValueError) as err:
         msg = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ConfigError(key, value, f"a YAML value (command line: {msg})") from None

@@ -63,10 +63,12 @@ def test_dataset_bytes_end_in_problems_or_a_data_error(lines, answer_format, ski
 
 
 def test_overrides_fuzzing_found():
-    """Two overrides that once ended in yaml.ReaderError / TypeError tracebacks."""
+    """Overrides that once ended in yaml.ReaderError / TypeError / IndexError tracebacks."""
     import pytest
 
     with pytest.raises(ConfigError, match=r"'run.name': got '\\x1f'; allowed: a YAML value"):
         load_config(["run.name=\x1f"])
     with pytest.raises(ConfigError, match=r"'task.eval_sets.0.name'.*command line"):
         load_config(["task.eval_sets.0.name="])
+    with pytest.raises(ConfigError, match=r"'\[': got '1'; allowed: a dotted key"):
+        load_config(["[=1"])
