@@ -121,6 +121,7 @@ def test_settle_stage_equals_a_second_build_from_the_first(tmp_path):
     assert any(not torch.equal(wf[k], w1[k]) for k in wf)          # the second stage trained
     m = json.loads((tmp_path / "one" / mbm.METRICS).read_text())
     assert m["steps"] == 7 and m["settle"]["steps"] == 4 and m["settle"]["seed"] == 1
+    assert m["heldout_acc_greedy"] == m["settle"]["heldout_acc_greedy"]   # the build reports the last check
     assert len(m["history"]) == 1 and len(m["settle"]["history"]) == 2   # checks every 3 steps
 
 

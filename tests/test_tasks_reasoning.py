@@ -181,7 +181,7 @@ def test_base_model_builder_takes_the_task(tmp_path):
     assert args.lr == mbm.TASK_DEFAULTS["reasoning"]["lr"]      # unset options: the task's
     assert args.kept_share == 0.5 and args.drill == 4
     # No second stage by default (the settled base is above the 0.3-0.6 band).
-    assert args.settle_target == 0.0
+    assert args.settle_target == 0.0 and args.settle_lr == args.lr / 2
     out = mbm.build(args, log=lambda s: None)
     metrics = json.loads((out / mbm.METRICS).read_text())
     assert metrics["task"]["name"] == "reasoning" and metrics["task"]["seed"] == 0
