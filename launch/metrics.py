@@ -95,8 +95,13 @@ def buffer_depth(pools) -> dict:
 
 
 # What a step prints on stdout every run.log_every steps (every key goes to metrics.jsonl).
-STEP_COLUMNS = ("step", "reward", "response_len", "kept_ratio", "loss", "eval/accuracy",
-                "time/step_s")
+STEP_COLUMNS = ("step", "reward", "response_len", "kept_ratio", "correction/frac_vetoed", "loss",
+                "eval/accuracy", "time/step_s")
+# The correction's shares the summary reports as step means (runs without the correction log none):
+# at a budget too tight for the policy the veto takes most of a batch and the run learns little,
+# which the reward and loss alone do not tell apart from a hard task.
+CORRECTION_SHARES = (("correction/frac_vetoed", "correction_frac_vetoed"),
+                     ("correction/frac_rejected", "correction_frac_rejected"))
 
 
 class MetricsLog:
@@ -121,6 +126,7 @@ class MetricsLog:
             print(f"[tensorboard] tensorboard --logdir {run_dir}", flush=True)
         self._bar = None
         self._kv: list[tuple[float, float]] = []  # (bytes per sequence, vs dense) per step
+        self._shares: dict[str, list[float]] = {key: [] for key, _ in CORRECTION_SHARES}
 
     def steps(self, first: int, last: int):
         """``range(first, last + 1)``, behind a progress bar when ``progress_on``."""
@@ -144,6 +150,9 @@ class MetricsLog:
         record = {"time_s": round(time.time() - self.t0, 2), **record}
         if "rollout/kv_vs_dense" in record:
             self._kv.append((record["rollout/kv_bytes_per_seq"], record["rollout/kv_vs_dense"]))
+        for key, values in self._shares.items():
+            if key in record:
+                values.append(float(record[key]))
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
         self.sinks.write(record)
@@ -163,11 +172,15 @@ class MetricsLog:
     def summary(self, summary: dict) -> None:
         """The run's ``summary.json``, its closing lines on stdout (the last one is
         ``held-out accuracy: A -> B``), and close the logs. The rollout KV against dense (means
-        over the steps this process logged) goes in beside the accuracy."""
+        over the steps this process logged) goes in beside the accuracy, and above it the
+        correction's vetoed and rejected shares (step means) where the run logged them."""
         if self._kv:
             summary = {**summary,
                        "rollout_kv_bytes_per_seq": sum(b for b, _ in self._kv) / len(self._kv),
                        "rollout_kv_vs_dense": sum(r for _, r in self._kv) / len(self._kv)}
+        shares = {name: sum(self._shares[key]) / len(self._shares[key])
+                  for key, name in CORRECTION_SHARES if self._shares[key]}
+        summary = {**summary, **shares}
         (self.path.parent / "summary.json").write_text(json.dumps(summary, indent=2))
         self.close()
         print(f"steps: {summary['steps']} (policy version {summary['version']})")
@@ -175,6 +188,11 @@ class MetricsLog:
         for name, acc in summary.get("eval_after", {}).items():
             if name != "eval/accuracy":
                 print(f"{name}: {acc:.3f}")
+        if len(shares) == len(CORRECTION_SHARES):
+            steps = len(self._shares[CORRECTION_SHARES[0][0]])
+            print(f"correction: {shares['correction_frac_vetoed']:.1%} of sequences vetoed, "
+                  f"{shares['correction_frac_rejected']:.1%} of tokens rejected (mean over "
+                  f"{steps} steps)")
         if self._kv:
             print(f"rollout KV: {summary['rollout_kv_bytes_per_seq'] / 1024:.0f} KiB per sequence "
                   f"at peak, {summary['rollout_kv_vs_dense']:.2f} of a dense cache (mean over "

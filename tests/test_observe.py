@@ -201,9 +201,35 @@ def test_summary_prints_the_rollout_kv_beside_the_accuracy(tmp_path, capsys):
     assert saved["rollout_kv_bytes_per_seq"] == 3072.0
 
 
+def test_summary_reports_the_correction_shares_and_the_step_line_the_vetoed_share(tmp_path,
+                                                                                 capsys):
+    # at a budget too tight for the policy the veto takes most of a batch: the step line and the
+    # summary say so, so a run that learns from little is not read as a hard task
+    from launch.metrics import STEP_COLUMNS
+
+    log = MetricsLog(tmp_path, RunConfig(tensorboard=False, progress=False))
+    log.write({"step": 1, "reward": 0.5, "correction/frac_vetoed": 0.9,
+               "correction/frac_rejected": 0.02}, show=STEP_COLUMNS)
+    log.write({"step": 2, "reward": 0.5, "correction/frac_vetoed": 1.0,
+               "correction/frac_rejected": 0.04})
+    log.write({"step": 2, "eval/accuracy": 0.5})            # records without them: not counted
+    log.summary({"steps": 2, "version": 2, "time_s": 1.0, "accuracy_before": 0.25,
+                 "accuracy_after": 0.5, "eval_after": {"eval/accuracy": 0.5}})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "step=1 reward=0.5 correction/frac_vetoed=0.9"
+    assert lines[-2] == ("correction: 95.0% of sequences vetoed, 3.0% of tokens rejected "
+                         "(mean over 2 steps)")
+    assert lines[-1] == "held-out accuracy: 0.25 -> 0.50"
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["correction_frac_vetoed"] == pytest.approx(0.95)
+    assert saved["correction_frac_rejected"] == pytest.approx(0.03)
+
+
 def test_summary_without_rollout_kv_prints_no_kv_line(tmp_path, capsys):
     log = MetricsLog(tmp_path, RunConfig(tensorboard=False, progress=False))
     log.summary({"steps": 0, "version": 0, "time_s": 1.0, "accuracy_before": 0.25,
                  "accuracy_after": 0.25, "eval_after": {"eval/accuracy": 0.25}})
-    assert "rollout KV" not in capsys.readouterr().out
-    assert "rollout_kv_vs_dense" not in json.loads((tmp_path / "summary.json").read_text())
+    out = capsys.readouterr().out
+    assert "rollout KV" not in out and "correction:" not in out   # a dense run logs neither
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert "rollout_kv_vs_dense" not in saved and "correction_frac_vetoed" not in saved

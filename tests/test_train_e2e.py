@@ -58,6 +58,10 @@ def test_train_runs_end_to_end(tiny_model, tmp_path, mode):
     assert all(0.0 < x < 1.0 for x in kv)
     assert summary["rollout_kv_vs_dense"] == pytest.approx(sum(kv) / steps)
     assert proc.stdout.strip().splitlines()[-2].startswith("rollout KV: ")
+    # the correction's shares, step means, in the summary and on the line above the KV
+    vetoed = [r["correction/frac_vetoed"] for r in train]
+    assert summary["correction_frac_vetoed"] == pytest.approx(sum(vetoed) / steps)
+    assert proc.stdout.strip().splitlines()[-3].startswith("correction: ")
     assert (run_dir / "final" / "config.json").is_file()
     assert (run_dir / "config.yaml").is_file()
     # observability: every numeric metric in TensorBoard, the logdir line, no bar off a terminal
