@@ -97,7 +97,7 @@ def buffer_depth(pools) -> dict:
 # What a step prints on stdout every run.log_every steps (every key goes to metrics.jsonl).
 STEP_COLUMNS = ("step", "reward", "response_len", "kept_ratio", "correction/frac_vetoed", "loss",
                 "eval/accuracy", "time/step_s")
-# The correction's shares the summary reports as step means (runs without the correction log none):
+# The correction's shares the summary reports as step means (correction.method=none logs zeros):
 # at a budget too tight for the policy the veto takes most of a batch and the run learns little,
 # which the reward and loss alone do not tell apart from a hard task.
 CORRECTION_SHARES = (("correction/frac_vetoed", "correction_frac_vetoed"),

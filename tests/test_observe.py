@@ -230,6 +230,6 @@ def test_summary_without_rollout_kv_prints_no_kv_line(tmp_path, capsys):
     log.summary({"steps": 0, "version": 0, "time_s": 1.0, "accuracy_before": 0.25,
                  "accuracy_after": 0.25, "eval_after": {"eval/accuracy": 0.25}})
     out = capsys.readouterr().out
-    assert "rollout KV" not in out and "correction:" not in out   # a dense run logs neither
+    assert "rollout KV" not in out and "correction:" not in out   # no step logged either
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert "rollout_kv_vs_dense" not in saved and "correction_frac_vetoed" not in saved
