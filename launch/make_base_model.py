@@ -247,10 +247,19 @@ def generate(model, tok, prompts: list[str], max_new_tokens: int, greedy: bool =
     return out
 
 
-def accuracy(model, tok, task, problems, max_new_tokens: int, greedy: bool = True) -> float:
-    """Fraction of ``problems`` whose generated response earns reward 1."""
+def accuracy(model, tok, task, problems, max_new_tokens: int) -> float:
+    """Fraction of ``problems`` whose greedy response earns reward 1, decoded with a dense cache
+    by the native engine (the rollout engine; on 2 CPU cores it decodes this check in about half
+    of HF ``generate``'s time)."""
+    from actors.engine import SamplingParams
+    from actors.native import NativeEngine
+
     model.eval()
-    responses = generate(model, tok, [p.prompt for p in problems], max_new_tokens, greedy)
+    prompts = [tok(p.prompt)["input_ids"] for p in problems]
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
+                            stop_token_ids=(tok.eos_token_id,))
+    outs = NativeEngine(model, batch_size=128).generate(prompts, params)
+    responses = [tok.decode(o.response_ids, skip_special_tokens=True) for o in outs]
     return sum(task.reward(r, p.answer) for r, p in zip(responses, problems)) / max(1, len(problems))
 
 

@@ -12,6 +12,7 @@ from actors.native.step import StepRunner, bucket
 from bench import decode_profile
 from common.modeling import load_model
 from common.testmodels import build_model
+from conftest import stepwise_replay
 
 torch.set_num_threads(1)
 POLICIES = ["dense", "streaming", "h2o", "snapkv", "rkv"]
@@ -162,7 +163,7 @@ def test_a_stop_read_one_step_late_is_rolled_back_exactly(model, batch_size):
 
 
 def test_compiled_step_pads_with_free_rows_one_graph_per_bucket(model):
-    """Rows of different lengths (a teacher-forced replay: 24, 24, 24, 10, 10, 10 tokens) leave
+    """Rows of different lengths (the decode loop forced: 24, 24, 24, 10, 10, 10 tokens) leave
     the batch: the live rows go from 6 (the pool's rows, bucket 8 capped) to 3, stepped as bucket
     4 with a free row of the pool as padding; each bucket is traced once, and the padded steps
     give the eager step's log-probs."""
@@ -174,12 +175,13 @@ def test_compiled_step_pads_with_free_rows_one_graph_per_bucket(model):
     params = SamplingParams(max_new_tokens=24, temperature=0)
     free = NativeEngine(model, kv("snapkv"), step="eager").generate(prompts, params)
     responses = [o.response_ids[:24 if i < 3 else 10] for i, o in enumerate(free)]
-    want = NativeEngine(model, kv("snapkv"), step="eager").replay(prompts, responses, params)
+    want, _ = stepwise_replay(NativeEngine(model, kv("snapkv"), step="eager"), prompts,
+                              responses, params)
     torch._dynamo.reset()
     counters.clear()
     eng = NativeEngine(model, kv("snapkv"))
     eng.stepper = StepRunner("compile", backend="eager")
-    got = eng.replay(prompts, responses, params)
+    got, _ = stepwise_replay(eng, prompts, responses, params)
     assert counters["stats"]["unique_graphs"] == 2                 # buckets 6 (8 capped) and 4
     for w, g in zip(want, got):
         assert g.shape == w.shape

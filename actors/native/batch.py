@@ -155,6 +155,13 @@ class BatchState:
         self.attended += total
         self.decode_rows += self.live
 
+    def forced(self, tokens: int, steps: int) -> None:
+        """A teacher-forced run (``forced.py``) moved every live row ``tokens`` response tokens on
+        through ``steps`` decode steps (a prefill: one token, no step); nothing is recorded."""
+        self.count[self.ids] += tokens
+        for _ in range(steps):
+            self.advance()
+
     def compressed(self, rows: np.ndarray, kept: np.ndarray, kept_pos: torch.Tensor | None
                    ) -> None:
         """Rows (live indices) were cut to ``kept`` [R] slots each; kept_pos [R,L,Hkv,>= kept]

@@ -38,8 +38,9 @@ Dtype: the model's (``rollout.dtype``); the cache is stored in it. In bf16 the l
 float32 before sampling, so log-probs are float32 everywhere, and attention keeps its softmax in
 float32 (on the CPU its scores too: ``model.cpu_low_precision``).
 Sampling: one ``torch.Generator`` seeded from ``SamplingParams.seed`` per call, so the same prompts,
-seed and ``batch_size`` give the same samples. ``replay`` runs the same loop teacher-forced over
-given responses and returns each step's full next-token log-probs (probes, ``actors/probes.py``).
+seed and ``batch_size`` give the same samples. ``replay`` reads given responses teacher-forced
+through the same prefill, policy and compressions, in chunks between compressions (``forced.py``),
+and returns each step's full next-token log-probs (probes, ``actors/probes.py``).
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ from actors.config import KVConfig, KVPolicy
 from actors.engine import GenerationOutput, SamplingParams
 from actors.native import policies
 from actors.native.batch import BatchState
+from actors.native.forced import run_forced
 from actors.native.kvcache import KVPool
 from actors.native.model import Decoder, RopeTable, attend
 from actors.native.sampling import sample, truncate
@@ -147,53 +149,45 @@ class NativeEngine:
     @torch.no_grad()
     def replay(self, prompts: list[list[int]], responses: list[list[int]],
                params: SamplingParams, against=None) -> list[torch.Tensor]:
-        """Teacher-forced pass through this engine's own decode path (same KV policy, schedule and
-        compressions) over given responses. Per row: the full next-token log-probs
-        [len(response), V] (float32, host) of the distribution sampling would draw from at each
-        step (temperature, top-k, top-p); with ``against`` (``.at(rows, steps) -> [R, V]``
-        log-probs of a reference, e.g. ``actors.probes.DenseReference``) only the agreement
-        sum_v min(p, p_ref) per step [len(response)]: no rows x length x vocabulary tensor."""
+        """Teacher-forced pass through this engine's own sparse path (same KV policy, schedule and
+        compressions; in chunks between compressions, ``forced.py``) over given responses. Per
+        row: the full next-token log-probs [len(response), V] (float32, host) of the
+        distribution sampling would draw from at each step (temperature, top-k, top-p); with
+        ``against`` (``.at(rows, steps) -> [R, V]`` log-probs of a reference, e.g.
+        ``actors.probes.DenseReference``) only the agreement sum_v min(p, p_ref) per step
+        [len(response)]: no rows x length x vocabulary tensor."""
         from correction.metrics import tv_agreement
 
-        if any(len(r) == 0 for r in responses):
-            raise ValueError("native engine: replay needs a non-empty response per row")
         kept: list[list[torch.Tensor]] = [[] for _ in prompts]
 
-        def pick(logits, st):
-            scaled = logits.float() / (params.temperature or 1.0)
+        def on_chunk(ids, first, logits):
+            r, k, v = logits.shape
+            scaled = logits.float().view(r * k, v) / (params.temperature or 1.0)
             logp = torch.log_softmax(truncate(scaled, params.top_k, params.top_p)
                                      if params.temperature else scaled, dim=-1)
-            ids, steps = st.ids, st.count[st.ids]
-            tok = _forced(responses, ids, steps, logits.device)
-            out = logp if against is None else tv_agreement(
-                logp, against.at(torch.from_numpy(ids), torch.from_numpy(steps)))
+            if against is not None:
+                steps = torch.from_numpy(first)[:, None] + torch.arange(k)
+                rows = torch.from_numpy(ids)[:, None].expand(-1, k)
+                logp = tv_agreement(logp, against.at(rows.reshape(-1), steps.reshape(-1)))
+            logp = logp.view(r, k, -1).cpu()
             for j, o in enumerate(ids.tolist()):
-                kept[o].append(out[j].cpu())
-            return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+                kept[o].append(logp[j])
 
-        no_stop = replace(params, stop_token_ids=(), stop=())
-        self._run(prompts, [len(r) for r in responses], no_stop, pick)
-        return [torch.stack(d) for d in kept]
+        run_forced(self, prompts, responses, on_chunk, logits=True)
+        return [torch.cat(d).squeeze(-1) if against is not None else torch.cat(d) for d in kept]
 
     @torch.no_grad()
     def replay_kept_sets(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list]:
-        """Teacher-forced pass over given responses that returns, per row, the compression events
-        (``GenerationOutput.trace``: what ``common.kept`` turns into a visibility mask) this
-        engine's KV policy would produce on them. Needs ``trace=True``. What the sampler would
-        keep does not depend on the sampling settings, so there are none."""
+        """Teacher-forced pass over given responses (in chunks, ``forced.py``) that returns, per
+        row, the compression events (``GenerationOutput.trace``: what ``common.kept`` turns into
+        a visibility mask) this engine's KV policy would produce on them. Needs ``trace=True``.
+        What the sampler would keep does not depend on the sampling settings, so there are
+        none."""
         if not self.trace:
             raise ValueError("native engine: replay_kept_sets needs an engine built with "
                              "trace=True")
-        if any(len(r) == 0 for r in responses):
-            raise ValueError("native engine: replay_kept_sets needs a non-empty response per row")
-
-        def pick(logits, st):
-            tok = _forced(responses, st.ids, st.count[st.ids], logits.device)
-            return tok, torch.zeros(len(tok), device=logits.device)
-
-        outs = self._run(prompts, [len(r) for r in responses], SamplingParams(temperature=0.0),
-                         pick)
-        return [o.trace for o in outs]
+        st = run_forced(self, prompts, responses, lambda *_: None, logits=False)
+        return st.trace
 
     def _run(self, prompts, max_new: list[int], params: SamplingParams, pick) -> list[GenerationOutput]:
         """The decode loop shared by ``generate`` and ``replay``: ``pick(logits, state)`` gives each
@@ -437,9 +431,3 @@ class NativeEngine:
             pool.gather_rows(i, rows_d, idx)
             kept.append(pool.pos[i].index_select(0, rows_d)[:, :, :width])
         return k, k_d, kept
-
-
-def _forced(responses: list[list[int]], ids: np.ndarray, steps: np.ndarray, device) -> torch.Tensor:
-    """The next forced token [R] of live rows ``ids`` (original indices) at their ``steps``."""
-    return torch.tensor([responses[o][c] for o, c in zip(ids.tolist(), steps.tolist())],
-                        dtype=torch.long, device=device)

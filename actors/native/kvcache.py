@@ -136,6 +136,36 @@ class KVPool:
         if ring is not None:
             self.qwin[i, :rows].view(-1, d).index_copy_(0, ring, q.reshape(-1, d))
 
+    def chunk_index(self, rows: int, n: torch.Tensor, seen: torch.Tensor, k: int):
+        """``step_index`` of k steps at once (``forced.chunk_step``): the cells of slots
+        n..n+k-1 of rows [0, rows) [rows*Hkv*k], their positions seen..seen+k-1, and the ring
+        cells of the chunk's last min(k, w) queries (earlier ones would be overwritten)."""
+        hkv = self.k.shape[2]
+        ar, t = torch.arange(rows, device=self.device), torch.arange(k, device=self.device)
+        cells = (blocks(ar, hkv, self.cap)[..., None] + (n[:, None] + t)[:, None]).view(-1)
+        pos = (seen[:, None] + t)[:, None].expand(-1, hkv, -1).reshape(-1)
+        ring = None
+        if self.qwin is not None:
+            hq, w = self.qwin.shape[2], self.obs_window
+            last = seen[:, None] + t[k - min(k, w):]                                  # [R,m]
+            ring = (blocks(ar, hq, w)[..., None] + (last % w)[:, None]).view(-1)
+        return cells, pos, ring
+
+    def append_chunk(self, i: int, rows: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
+                     index) -> None:
+        """``append_step`` of a chunk: k, v [rows,Hkv,T,D] into their slots, the last min(T, w)
+        queries of q [rows,Hq,T,D] into the ring (``chunk_index``)."""
+        cells, pos, ring = index
+        d = k.shape[-1]
+        self.k[i, :rows].view(-1, d).index_copy_(0, cells, k.reshape(-1, d))
+        self.v[i, :rows].view(-1, d).index_copy_(0, cells, v.reshape(-1, d))
+        self.pos[i, :rows].view(-1).index_copy_(0, cells, pos)
+        if self.acc is not None:
+            self.acc[i, :rows].view(-1).index_fill_(0, cells, 0.0)
+        if ring is not None:
+            m = min(q.shape[2], self.obs_window)
+            self.qwin[i, :rows].view(-1, d).index_copy_(0, ring, q[:, :, -m:].reshape(-1, d))
+
     # ---- compression -----------------------------------------------------------------------------
     def gather_rows(self, i: int, rows: torch.Tensor, idx: torch.Tensor) -> None:
         """Compact layer i of the given rows (device indices) to the slots idx [R,Hkv,K] (sorted):
