@@ -106,31 +106,3 @@ class ContainsAnswer:
 
     def reward(self, response: str, answer: str) -> float:
         return 1.0 if answer in response else 0.0
-
-
-def stepwise_replay(engine, prompts, responses, params=None):
-    """The teacher-forced reference the chunked replay (``actors/native/forced.py``) is checked
-    against: the sampler's own decode loop (``NativeEngine._run``: one decode step a token,
-    continuous batching), each step's token forced to the given response. Returns, per row, the
-    next-token log-probs [len(response), V] of ``params``'s distribution (default: greedy's) and
-    the compression events (the engine needs ``trace=True`` for them)."""
-    import torch
-
-    from actors.engine import SamplingParams
-    from actors.native.sampling import truncate
-
-    params = params or SamplingParams(temperature=0.0)
-    logps = [[] for _ in prompts]
-
-    def pick(logits, st):
-        scaled = logits.float() / (params.temperature or 1.0)
-        logp = torch.log_softmax(truncate(scaled, params.top_k, params.top_p)
-                                 if params.temperature else scaled, dim=-1)
-        ids, steps = st.ids.tolist(), st.count[st.ids].tolist()
-        tok = torch.tensor([responses[o][c] for o, c in zip(ids, steps)], device=logits.device)
-        for j, o in enumerate(ids):
-            logps[o].append(logp[j].cpu())
-        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
-
-    outs = engine._run(prompts, [len(r) for r in responses], params, pick)
-    return [torch.stack(d) for d in logps], [o.trace for o in outs]

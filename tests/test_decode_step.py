@@ -7,12 +7,11 @@ import torch
 
 from actors.config import KVConfig
 from actors.engine import SamplingParams
-from actors.native import NativeEngine
+from actors.native import NativeEngine, forced
 from actors.native.step import StepRunner, bucket
 from bench import decode_profile
 from common.modeling import load_model
 from common.testmodels import build_model
-from conftest import stepwise_replay
 
 torch.set_num_threads(1)
 POLICIES = ["dense", "streaming", "h2o", "snapkv", "rkv"]
@@ -175,13 +174,13 @@ def test_compiled_step_pads_with_free_rows_one_graph_per_bucket(model):
     params = SamplingParams(max_new_tokens=24, temperature=0)
     free = NativeEngine(model, kv("snapkv"), step="eager").generate(prompts, params)
     responses = [o.response_ids[:24 if i < 3 else 10] for i, o in enumerate(free)]
-    want, _ = stepwise_replay(NativeEngine(model, kv("snapkv"), step="eager"), prompts,
+    want, _ = forced.stepwise(NativeEngine(model, kv("snapkv"), step="eager"), prompts,
                               responses, params)
     torch._dynamo.reset()
     counters.clear()
     eng = NativeEngine(model, kv("snapkv"))
     eng.stepper = StepRunner("compile", backend="eager")
-    got, _ = stepwise_replay(eng, prompts, responses, params)
+    got, _ = forced.stepwise(eng, prompts, responses, params)
     assert counters["stats"]["unique_graphs"] == 2                 # buckets 6 (8 capped) and 4
     for w, g in zip(want, got):
         assert g.shape == w.shape

@@ -1,5 +1,5 @@
 """The chunked teacher-forced run (actors/native/forced.py) against the sampler's own decode loop
-forced token by token (conftest.stepwise_replay): the same compressions at the same positions
+forced token by token (forced.stepwise): the same compressions at the same positions
 keeping the same slots, and the same next-token log-probs, for every KV policy and schedule."""
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from actors.engine import SamplingParams
 from actors.native import NativeEngine, forced
 from common.modeling import load_model
 from common.testmodels import build_model
-from conftest import stepwise_replay
 
 torch.set_num_threads(1)
 
@@ -63,7 +62,7 @@ def test_chunked_replay_equals_the_decode_loop(model, case):
     agree to float rounding, at temperature 0.7 with top-k as at greedy."""
     prompts, responses = rows(model, [6, 9, 15, 4, 7], [30, 23, 41, 1, 17])
     params = SamplingParams(temperature=0.7, top_k=20)
-    want_logp, want_events = stepwise_replay(engine(model, case), prompts, responses, params)
+    want_logp, want_events = forced.stepwise(engine(model, case), prompts, responses, params)
     eng = engine(model, case)
     got_events = eng.replay_kept_sets(prompts, responses)
     got_logp = eng.replay(prompts, responses, params)

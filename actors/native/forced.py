@@ -10,8 +10,9 @@ chunk is at most ``compress_every`` tokens (and every remaining token with a den
 chunk stops where any live row compresses, ends its response, or (with a per-bin schedule)
 enters a new bin, and there the run compresses and retires rows as the decode loop would, so
 compressions happen at the same positions on the same cache contents; only float rounding
-differs (one batched matmul instead of several), which ``tests/test_engine_forced.py`` bounds
-against the step-by-step loop.
+differs (one batched matmul instead of several). ``stepwise`` is the reference: the sampler's
+own decode loop forced token by token (``tests/test_engine_forced.py`` checks the two agree,
+``bench/replay.py`` times them side by side).
 
 Rows run in batches of the engine's ``batch_size`` (no continuous batching: a row's result does
 not depend on which rows share its batch). Chunks are as long as the rows' compression phases
@@ -25,8 +26,10 @@ import numpy as np
 import torch
 
 from actors.config import KVPolicy
+from actors.engine import SamplingParams
 from actors.native.batch import BatchState
 from actors.native.model import attend
+from actors.native.sampling import truncate
 
 # on_chunk(ids [R] prompt indices, first [R] response step of the chunk, logits [R,k,V] or None)
 OnChunk = Callable[[np.ndarray, np.ndarray, "torch.Tensor | None"], None]
@@ -72,6 +75,7 @@ def chunk_length(engine, st: BatchState) -> int:
     return max(k, 1)
 
 
+@torch.no_grad()
 def run_forced(engine, prompts: list[list[int]], responses: list[list[int]], on_chunk: OnChunk,
                logits: bool) -> BatchState:
     """Read ``responses`` after ``prompts`` teacher-forced through ``engine``'s sparse path;
@@ -113,3 +117,28 @@ def run_forced(engine, prompts: list[list[int]], responses: list[list[int]], on_
         on_chunk(ids, count, dec.logits(hidden) if logits else None)
         st.forced(k, steps=k)
     return st
+
+
+@torch.no_grad()
+def stepwise(engine, prompts: list[list[int]], responses: list[list[int]],
+             params: SamplingParams | None = None) -> tuple[list, list]:
+    """The reference a chunked run is checked and timed against: the sampler's decode loop
+    (``NativeEngine._run``: one decode step a token, continuous batching) with each step's token
+    forced to the given response. Returns, per row, the next-token log-probs [len(response), V]
+    of ``params``'s distribution (default: greedy's) and the compression events (the engine
+    needs ``trace=True`` for them)."""
+    params = params or SamplingParams(temperature=0.0)
+    logps: list[list[torch.Tensor]] = [[] for _ in prompts]
+
+    def pick(logits, st):
+        scaled = logits.float() / (params.temperature or 1.0)
+        logp = torch.log_softmax(truncate(scaled, params.top_k, params.top_p)
+                                 if params.temperature else scaled, dim=-1)
+        ids, steps = st.ids.tolist(), st.count[st.ids].tolist()
+        tok = torch.tensor([responses[o][c] for o, c in zip(ids, steps)], device=logits.device)
+        for j, o in enumerate(ids):
+            logps[o].append(logp[j].cpu())
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+    outs = engine._run(prompts, [len(r) for r in responses], params, pick)
+    return [torch.stack(d) for d in logps], [o.trace for o in outs]
