@@ -52,7 +52,7 @@ def chunk_step(dec, pool, tokens: torch.Tensor, s: int, h2o: bool) -> torch.Tens
     cos, sin = dec.rope(x, positions)
     for i in range(dec.n_layers):
         q, key, v = dec.qkv(i, x, cos, sin)
-        pool.append_chunk(i, rows, key, v, q, index)
+        pool.append_step(i, rows, key, v, q[:, :, k - min(k, pool.obs_window):], index)
         out, probs = attend(q, pool.k[i, :rows, :, :s], pool.v[i, :rows, :, :s], mask,
                             dec.scaling, want_probs=h2o)
         if h2o:

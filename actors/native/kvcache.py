@@ -125,7 +125,8 @@ class KVPool:
     def append_step(self, i: int, rows: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
                     index) -> None:
         """Decode step of layer i, rows [0, rows): k, v [rows,Hkv,D] into their slots; q
-        [rows,Hq,D] into the ring; the slot's accumulated attention starts at 0."""
+        [rows,Hq,D] into the ring; the slot's accumulated attention starts at 0. A chunk of T
+        steps (``chunk_index``): k, v [rows,Hkv,T,D], q its last min(T, w) queries."""
         cells, pos, ring = index
         d = k.shape[-1]
         self.k[i, :rows].view(-1, d).index_copy_(0, cells, k.reshape(-1, d))
@@ -150,21 +151,6 @@ class KVPool:
             last = seen[:, None] + t[k - min(k, w):]                                  # [R,m]
             ring = (blocks(ar, hq, w)[..., None] + (last % w)[:, None]).view(-1)
         return cells, pos, ring
-
-    def append_chunk(self, i: int, rows: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
-                     index) -> None:
-        """``append_step`` of a chunk: k, v [rows,Hkv,T,D] into their slots, the last min(T, w)
-        queries of q [rows,Hq,T,D] into the ring (``chunk_index``)."""
-        cells, pos, ring = index
-        d = k.shape[-1]
-        self.k[i, :rows].view(-1, d).index_copy_(0, cells, k.reshape(-1, d))
-        self.v[i, :rows].view(-1, d).index_copy_(0, cells, v.reshape(-1, d))
-        self.pos[i, :rows].view(-1).index_copy_(0, cells, pos)
-        if self.acc is not None:
-            self.acc[i, :rows].view(-1).index_fill_(0, cells, 0.0)
-        if ring is not None:
-            m = min(q.shape[2], self.obs_window)
-            self.qwin[i, :rows].view(-1, d).index_copy_(0, ring, q[:, :, -m:].reshape(-1, d))
 
     # ---- compression -----------------------------------------------------------------------------
     def gather_rows(self, i: int, rows: torch.Tensor, idx: torch.Tensor) -> None:
