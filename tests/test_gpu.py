@@ -4,6 +4,7 @@
   to the eager one (issue 27); sparse generation in fp32 exact
   vs teacher forcing under the recorded kept sets (as tests/test_kv_engine.py on CPU), and in bf16
   within bf16 noise; probes (issue 14): replay at per-bin budgets, alpha vs the dense reference;
+  the chunked teacher-forced replay's kept sets vs the sampler's own;
 * dense scorer on CUDA in bf16: the frozen reference and the batch-composition tolerance;
 * vLLM (CUDA build) in bf16: generate, reload weights from CUDA tensors (no trip through host
   memory), reload the originals and get the same outputs back;
@@ -146,6 +147,27 @@ def test_probe_replay_and_agreement_on_cuda(tiny):
     assert min(min(a) for a in agreement(eng, PROMPTS, resp, params, 2)) < 0.999
     eng.set_budgets([64])
     assert all(abs(x - 1.0) < 1e-4 for a in agreement(eng, PROMPTS, resp, params, 2) for x in a)
+
+
+def test_chunked_kept_sets_follow_the_sampler_on_cuda(tiny):
+    """The chunked teacher-forced replay (actors/native/forced.py) on CUDA in fp32 against what the
+    sampler (CUDA graphs, one step a token) kept on its own samples: compressions at the same
+    positions, keeping the same slots but for float-rounding ties (>= 99% of them)."""
+    from actors.native import NativeEngine
+
+    model = _cuda(tiny, torch.float32)
+    params = SamplingParams(max_new_tokens=40, temperature=0.8, seed=5)
+    eng = NativeEngine(model, KVConfig(policy="rkv", budget=12, compress_every=4, obs_window=4,
+                                       pool_kernel=3), trace=True)
+    outs = eng.generate(PROMPTS, params)
+    kept = eng.replay_kept_sets(PROMPTS, [o.response_ids for o in outs])
+    same = total = 0
+    for o, events in zip(outs, kept):
+        assert [p for p, _ in events] == [p for p, _ in o.trace] and events
+        for (_, a), (_, b) in zip(events, o.trace):
+            same += int((a == b).sum())
+            total += a.numel()
+    assert same >= 0.99 * total
 
 
 # ---- dense scorer ----------------------------------------------------------------------------
