@@ -72,7 +72,9 @@ def chunk_length(engine, st: BatchState) -> int:
     if len(engine.budgets) > 1:
         bt = engine.kv.bin_tokens
         k = min(k, int((bt - st.seen % bt).min()))
-    return max(k, 1)
+    if k < 1:    # a compressed row holds its budget, under its limit: a bug if ever reached
+        raise RuntimeError(f"native engine: forced run found no room to step (chunk of {k})")
+    return k
 
 
 @torch.no_grad()
