@@ -99,7 +99,7 @@ def measure(model_dir: Path, task_name: str | None = None, n: int = 64, share: f
     from transformers import AutoModelForCausalLM
 
     from common.modeling import HF_WEIGHTS, load_tokenizer
-    from launch.make_base_model import generate
+    from launch.make_base_model import greedy_responses
 
     task = task_of(model_dir, task_name)
     tok = load_tokenizer(model_dir)
@@ -107,7 +107,7 @@ def measure(model_dir: Path, task_name: str | None = None, n: int = 64, share: f
                                                  attn_implementation="eager").eval()
     problems = task.problems("heldout")[:n]
     max_new = max(len(task.solution(p.prompt)) for p in problems) + 16
-    responses = generate(model, tok, [p.prompt for p in problems], max_new)
+    responses = greedy_responses(model, tok, [p.prompt for p in problems], max_new)
     acc = sum(task.reward(r, p.answer) for r, p in zip(responses, problems)) / len(problems)
     seqs = []
     for p, r in zip(problems, responses):

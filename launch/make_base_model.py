@@ -232,34 +232,23 @@ def _prompt_len(labels: list[int]) -> int:
     return next(i for i, v in enumerate(labels) if v != -100)
 
 
-@torch.no_grad()
-def generate(model, tok, prompts: list[str], max_new_tokens: int, greedy: bool = True,
-             batch_size: int = 64, temperature: float = 1.0) -> list[str]:
-    """Decoded responses (special tokens dropped) for ``prompts``, left-padded batches."""
-    out = []
-    for i in range(0, len(prompts), batch_size):
-        enc = tok(prompts[i: i + batch_size], return_tensors="pt", padding=True)
-        # Pure sampling at ``temperature`` (no top-k/top-p), or greedy decoding.
-        sampling = {} if greedy else {"temperature": temperature, "top_k": None, "top_p": None}
-        gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=not greedy, **sampling,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-        out += tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    return out
-
-
-def accuracy(model, tok, task, problems, max_new_tokens: int) -> float:
-    """Fraction of ``problems`` whose greedy response earns reward 1, decoded with a dense cache
-    by the native engine (the rollout engine; on 2 CPU cores it decodes this check in about half
-    of HF ``generate``'s time)."""
+def greedy_responses(model, tok, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """Greedy responses (special tokens dropped) to ``prompts``, decoded with a dense cache by the
+    native engine (the rollout engine; on 2 CPU cores about half of HF ``generate``'s time)."""
     from actors.engine import SamplingParams
     from actors.native import NativeEngine
 
-    model.eval()
-    prompts = [tok(p.prompt)["input_ids"] for p in problems]
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
                             stop_token_ids=(tok.eos_token_id,))
-    outs = NativeEngine(model, batch_size=128).generate(prompts, params)
-    responses = [tok.decode(o.response_ids, skip_special_tokens=True) for o in outs]
+    outs = NativeEngine(model, batch_size=128).generate(
+        [tok(p)["input_ids"] for p in prompts], params)
+    return [tok.decode(o.response_ids, skip_special_tokens=True) for o in outs]
+
+
+def accuracy(model, tok, task, problems, max_new_tokens: int) -> float:
+    """Fraction of ``problems`` whose greedy response (``greedy_responses``) earns reward 1."""
+    model.eval()
+    responses = greedy_responses(model, tok, [p.prompt for p in problems], max_new_tokens)
     return sum(task.reward(r, p.answer) for r, p in zip(responses, problems)) / max(1, len(problems))
 
 
