@@ -124,3 +124,24 @@ def test_forced_run_refuses_empty_rows(model):
         eng.replay_kept_sets([[5, 6]], [[]])
     with pytest.raises(ValueError, match="empty prompt"):
         eng.replay([[]], [[5]], SamplingParams(temperature=0.0))
+
+
+def test_a_cache_that_never_compresses_reads_in_capped_chunks(model, monkeypatch):
+    """Dense (or a budget above the sequence): nothing bounds a chunk but ``CHUNK_TOKENS``, which
+    keeps a chunk's scores and logits small; the capped chunks give the decode loop's results."""
+    sizes = []
+    step = forced.chunk_step
+
+    def counting(dec, pool, tokens, s, h2o):
+        sizes.append(tokens.shape[1])
+        return step(dec, pool, tokens, s, h2o)
+
+    monkeypatch.setattr(forced, "chunk_step", counting)
+    monkeypatch.setattr(forced, "CHUNK_TOKENS", 7)
+    prompts, responses = rows(model, [6, 9], [40, 40], seed=2)
+    params = SamplingParams(temperature=0.0)
+    want, _ = forced.stepwise(engine(model, "dense"), prompts, responses, params)
+    got = engine(model, "dense").replay(prompts, responses, params)
+    assert sizes == [7] * 5 + [4]                   # 39 decode steps
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)

@@ -6,7 +6,7 @@ decode one token at a time, because each token depends on the last; a forced run
 so the decode steps between two compressions can run as one forward over the chunk against the
 cache: chunk token t attends the row's kept slots and chunk tokens 0..t, exactly what its decode
 step would see. A row compresses when its cache reaches ``budget + compress_every`` slots, so a
-chunk is at most ``compress_every`` tokens (and every remaining token with a dense cache). The
+chunk is at most ``compress_every`` tokens (``CHUNK_TOKENS`` with a dense cache). The
 chunk stops where any live row compresses, ends its response, or (with a per-bin schedule)
 enters a new bin, and there the run compresses and retires rows as the decode loop would, so
 compressions happen at the same positions on the same cache contents; only float rounding
@@ -33,6 +33,10 @@ from actors.native.sampling import truncate
 
 # on_chunk(ids [R] prompt indices, first [R] response step of the chunk, logits [R,k,V] or None)
 OnChunk = Callable[[np.ndarray, np.ndarray, "torch.Tensor | None"], None]
+# The longest chunk: a chunk holds attention scores [R,Hq,k,slots] and, for ``replay``, logits
+# [R,k,V]; without a cap a cache that never compresses (dense, or a budget above the sequence)
+# would read a whole 4k-token response at once (tens of GB of logits at a 150k vocabulary).
+CHUNK_TOKENS = 256
 
 
 def chunk_step(dec, pool, tokens: torch.Tensor, s: int, h2o: bool) -> torch.Tensor:
@@ -65,10 +69,11 @@ def chunk_step(dec, pool, tokens: torch.Tensor, s: int, h2o: bool) -> torch.Tens
 
 def chunk_length(engine, st: BatchState) -> int:
     """Decode steps every live row can take before one of them must compress, has read its whole
-    response, or (per-bin schedule) writes into a new bin whose budget may cut it."""
+    response, or (per-bin schedule) writes into a new bin whose budget may cut it; at most
+    ``CHUNK_TOKENS``."""
     room = engine._limit(st) - st.n
     left = st.max_new[st.ids] - st.count[st.ids]
-    k = min(int(room.min()), int(left.min()))
+    k = min(int(room.min()), int(left.min()), CHUNK_TOKENS)
     if len(engine.budgets) > 1:
         bt = engine.kv.bin_tokens
         k = min(k, int((bt - st.seen % bt).min()))
