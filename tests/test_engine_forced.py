@@ -34,6 +34,20 @@ def model(tmp_path_factory):
     return load_model(build_model(tmp_path_factory.mktemp("m"), "tiny", seed=5))
 
 
+@pytest.fixture()
+def chunk_sizes(monkeypatch):
+    """The token count of every chunk a forced run steps, in order."""
+    sizes = []
+    step = forced.chunk_step
+
+    def counting(dec, pool, tokens, s, h2o):
+        sizes.append(tokens.shape[1])
+        return step(dec, pool, tokens, s, h2o)
+
+    monkeypatch.setattr(forced, "chunk_step", counting)
+    return sizes
+
+
 def rows(model, lengths, response_lengths, seed=0):
     rng = random.Random(seed)
     vocab = model.config.vocab_size
@@ -77,24 +91,16 @@ def test_chunked_replay_equals_the_decode_loop(model, case):
         same_events(g, w)
 
 
-def test_chunks_run_to_the_next_compression(model, monkeypatch):
+def test_chunks_run_to_the_next_compression(model, chunk_sizes):
     """Rows whose prompts have one length compress at the same steps, so each forward covers the
     decode steps up to the next compression: ``compress_every`` tokens (the first chunk fills
     the budget), not one. 8 prompts of 6 tokens, 60-token responses, R-KV at 12 + 5: the
     prefill, then chunks of 6 (to 12 slots) + 5, then 5 tokens each (the last: what is left)."""
-    sizes = []
-    step = forced.chunk_step
-
-    def counting(dec, pool, tokens, s, h2o):
-        sizes.append(tokens.shape[1])
-        return step(dec, pool, tokens, s, h2o)
-
-    monkeypatch.setattr(forced, "chunk_step", counting)
     prompts, responses = rows(model, [6] * 8, [60] * 8)
     eng = engine(model, "rkv", batch_size=8)
     eng.replay_kept_sets(prompts, responses)
-    assert sizes == [11] + [5] * 9 + [3]           # 59 decode steps: the last token is not read
-    assert sum(sizes) == 59
+    assert chunk_sizes == [11] + [5] * 9 + [3]     # 59 decode steps: the last token is not read
+    assert sum(chunk_sizes) == 59
 
 
 def test_kept_sets_follow_the_weights(model):
@@ -126,22 +132,15 @@ def test_forced_run_refuses_empty_rows(model):
         eng.replay([[]], [[5]], SamplingParams(temperature=0.0))
 
 
-def test_a_cache_that_never_compresses_reads_in_capped_chunks(model, monkeypatch):
+def test_a_cache_that_never_compresses_reads_in_capped_chunks(model, chunk_sizes,
+                                                               monkeypatch):
     """Dense (or a budget above the sequence): nothing bounds a chunk but ``CHUNK_TOKENS``, which
     keeps a chunk's scores and logits small; the capped chunks give the decode loop's results."""
-    sizes = []
-    step = forced.chunk_step
-
-    def counting(dec, pool, tokens, s, h2o):
-        sizes.append(tokens.shape[1])
-        return step(dec, pool, tokens, s, h2o)
-
-    monkeypatch.setattr(forced, "chunk_step", counting)
     monkeypatch.setattr(forced, "CHUNK_TOKENS", 7)
     prompts, responses = rows(model, [6, 9], [40, 40], seed=2)
     params = SamplingParams(temperature=0.0)
     want, _ = forced.stepwise(engine(model, "dense"), prompts, responses, params)
     got = engine(model, "dense").replay(prompts, responses, params)
-    assert sizes == [7] * 5 + [4]                   # 39 decode steps
+    assert chunk_sizes == [7] * 5 + [4]            # 39 decode steps
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
