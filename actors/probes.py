@@ -50,14 +50,12 @@ class DenseReference:
 
     def at(self, rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         """[R, V] log-probs of response token ``steps[r]`` of prompt ``rows[r]`` (host tensors)."""
-        from actors.native.sampling import truncate
+        from actors.native.sampling import processed_logprobs
 
         pos = (self.plen[rows] + steps - 1).to(self.hidden.device)
         x = self.hidden[rows.to(self.hidden.device), pos]
         p = self.params
-        scaled = self.dec.logits(x) / (p.temperature or 1.0)
-        return torch.log_softmax(truncate(scaled, p.top_k, p.top_p) if p.temperature else scaled,
-                                 dim=-1)
+        return processed_logprobs(self.dec.logits(x), p.temperature, p.top_k, p.top_p)
 
 
 def agreement(engine, prompts: list[list[int]], responses: list[list[int]], params,

@@ -58,7 +58,7 @@ from actors.native.batch import BatchState
 from actors.native.forced import run_forced
 from actors.native.kvcache import KVPool
 from actors.native.model import Decoder, RopeTable, attend
-from actors.native.sampling import sample, truncate
+from actors.native.sampling import processed_logprobs, sample
 from actors.native.step import StepRunner
 from actors.native.stops import StopMatcher, tokenizer_decoder
 
@@ -162,19 +162,18 @@ class NativeEngine:
 
         def on_chunk(ids, first, logits):
             r, k, v = logits.shape
-            scaled = logits.float().view(r * k, v) / (params.temperature or 1.0)
-            logp = torch.log_softmax(truncate(scaled, params.top_k, params.top_p)
-                                     if params.temperature else scaled, dim=-1)
+            out = processed_logprobs(logits.float().view(r * k, v), params.temperature,
+                                     params.top_k, params.top_p)
             if against is not None:
                 steps = torch.from_numpy(first)[:, None] + torch.arange(k)
                 rows = torch.from_numpy(ids)[:, None].expand(-1, k)
-                logp = tv_agreement(logp, against.at(rows.reshape(-1), steps.reshape(-1)))
-            logp = logp.view(r, k, -1).cpu()
+                out = tv_agreement(out, against.at(rows.reshape(-1), steps.reshape(-1)))
+            out = out.view(r, k, *out.shape[1:]).cpu()
             for j, o in enumerate(ids.tolist()):
-                kept[o].append(logp[j])
+                kept[o].append(out[j])
 
         run_forced(self, prompts, responses, on_chunk, logits=True)
-        return [torch.cat(d).squeeze(-1) if against is not None else torch.cat(d) for d in kept]
+        return [torch.cat(d) for d in kept]
 
     @torch.no_grad()
     def replay_kept_sets(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list]:

@@ -29,7 +29,7 @@ from actors.config import KVPolicy
 from actors.engine import SamplingParams
 from actors.native.batch import BatchState
 from actors.native.model import attend
-from actors.native.sampling import truncate
+from actors.native.sampling import processed_logprobs
 
 # on_chunk(ids [R] prompt indices, first [R] response step of the chunk, logits [R,k,V] or None)
 OnChunk = Callable[[np.ndarray, np.ndarray, "torch.Tensor | None"], None]
@@ -138,9 +138,7 @@ def stepwise(engine, prompts: list[list[int]], responses: list[list[int]],
     logps: list[list[torch.Tensor]] = [[] for _ in prompts]
 
     def pick(logits, st):
-        scaled = logits.float() / (params.temperature or 1.0)
-        logp = torch.log_softmax(truncate(scaled, params.top_k, params.top_p)
-                                 if params.temperature else scaled, dim=-1)
+        logp = processed_logprobs(logits.float(), params.temperature, params.top_k, params.top_p)
         ids, steps = st.ids.tolist(), st.count[st.ids].tolist()
         tok = torch.tensor([responses[o][c] for o, c in zip(ids, steps)], device=logits.device)
         for j, o in enumerate(ids):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from actors.native.model import Decoder
-from actors.native.sampling import truncate
+from actors.native.sampling import processed_logprobs
 from common.kept import visibility
 
 
@@ -29,10 +29,8 @@ def recompute_logprobs(model, prompt: list[int], response: list[int], trace,
     positions = torch.arange(total, device=device)[None]
     logits = dec.forward_full(ids, positions, lambda i: masks[i][None, :, None])[0]
     logits = logits[len(prompt) - 1:total - 1]
-    if temperature == 0:
-        logp = torch.log_softmax(logits, -1)
-    elif mode == "processed":
-        logp = torch.log_softmax(truncate(logits / temperature, top_k, top_p), -1)
+    if temperature == 0 or mode == "processed":
+        logp = processed_logprobs(logits, temperature, top_k, top_p)
     else:
         logp = torch.log_softmax(logits / temperature, -1)
     return logp.gather(-1, torch.tensor(response, device=device)[:, None]).squeeze(-1).cpu()

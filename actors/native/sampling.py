@@ -25,6 +25,16 @@ def truncate(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return scaled
 
 
+
+def processed_logprobs(logits: torch.Tensor, temperature: float, top_k: int,
+                       top_p: float) -> torch.Tensor:
+    """log_softmax over the last axis of the distribution sampling draws from (``processed``):
+    logits / T, top-k then top-p truncated; greedy (T = 0) ``log_softmax(logits)``. Teacher-forced
+    replays, their reference and the probes' dense reference read log-probs through it."""
+    if temperature == 0:
+        return torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(truncate(logits / temperature, top_k, top_p), dim=-1)
+
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of probs [B,V] by inverting the CDF: the first index whose cumulative mass
     exceeds u * total, u ~ U[0,1). A zero-probability token is never drawn (its cumulative mass
