@@ -6,7 +6,7 @@ MODEL   := .cache/models/tiny-base
 # `make train`'s base (launch/configs/reasoning-quick.yaml), built in two stages: SFT on the
 # reasoning task's 0-note form (cheap steps, where the tiny model learns the computation; a cosine
 # lr so it settles), then from those weights on the 1-note form, half of each batch under R-KV kept
-# sets. MODEL is the running_sum base of default.yaml (`python launch/train.py` without --config).
+# sets, also on a cosine lr (over 400 steps; it stops at its first check >= 0.4). MODEL is the running_sum base of default.yaml (`python launch/train.py` without --config).
 QUICK   := .cache/models/reasoning-quick
 ARGS    ?=
 
@@ -41,7 +41,8 @@ quick-model: $(STAMP)
 	$(PY) launch/make_base_model.py --task reasoning --settle-target 0 --response-tokens 60 --kept-share 0 \
 	    --lr-schedule cosine --max-steps 1000 --target-acc 0.8 --eval-every 50 --out $(QUICK)-short
 	$(PY) launch/make_base_model.py --task reasoning --settle-target 0 --response-tokens 200 \
-	    --kept-budgets 30,60,118 --init-from $(QUICK)-short --out $(QUICK)
+	    --kept-budgets 30,60,118 --lr-schedule cosine --max-steps 400 --init-from $(QUICK)-short \
+	    --out $(QUICK)
 
 # The default job: the reasoning task's 1-note form, R-KV rollouts at under half of a dense cache,
 # Sparse-RL, async (timing: docs/RESULTS.md, "`make train`").
