@@ -6,7 +6,8 @@ MODEL   := .cache/models/tiny-base
 # `make train`'s base (launch/configs/reasoning-quick.yaml), built in two stages: SFT on the
 # reasoning task's 0-note form (cheap steps, where the tiny model learns the computation; a cosine
 # lr so it settles), then from those weights on the 1-note form, half of each batch under R-KV kept
-# sets, also on a cosine lr (over 400 steps; it stops at its first check >= 0.4). MODEL is the running_sum base of default.yaml (`python launch/train.py` without --config).
+# sets, also on a cosine lr (over 400 steps; it stops at its first check >= 0.4). MODEL is the
+# running_sum base of default.yaml (`python launch/train.py` without --config).
 QUICK   := .cache/models/reasoning-quick
 ARGS    ?=
 
