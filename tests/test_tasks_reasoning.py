@@ -157,9 +157,14 @@ def test_quick_preset_fits_its_task_and_the_makefile_build():
     train = re.search(r"^train:(.*)\n\t(.*)$", make, re.M)
     assert train.group(1).split() == ["quick-model"]
     assert "launch/train.py --config launch/configs/reasoning-quick.yaml $(ARGS)" in train.group(2)
-    stage2 = re.search(r"--response-tokens (\d+) \\\n\s*--kept-budgets \S+ --init-from "
-                       r"\$\(QUICK\)-short --out \$\(QUICK\)", make)
-    assert stage2 and int(stage2.group(1)) == cfg.task.reasoning.response_tokens
+    # the recipe's commands, continuation lines joined; stage 2 builds $(QUICK) from $(QUICK)-short
+    recipe = re.search(r"^quick-model:.*\n((?:\t.*\n)+)", make, re.M).group(1)
+    commands = [c.split() for c in recipe.replace("\\\n", " ").splitlines()]
+    stage2 = [c for c in commands if "--init-from" in c and c[c.index("--init-from") + 1]
+              == "$(QUICK)-short"]
+    assert len(stage2) == 1 and stage2[0][stage2[0].index("--out") + 1] == "$(QUICK)"
+    opts = stage2[0]
+    assert int(opts[opts.index("--response-tokens") + 1]) == cfg.task.reasoning.response_tokens
     t = make_task(cfg.task)
     held = t.problems("heldout")
     longest = max(len(t.solution(p.prompt)) for p in held)
