@@ -111,11 +111,16 @@ class RejectionConfig:
     lower: float = 0.5              # ratios < lower leave the loss mask
     upper: float = 1.5              # ratios > upper leave the loss mask
     veto_threshold: float = 1e-4    # a token with rho_t < this removes its whole sequence
+    # a floor on what the veto and the band leave: a batch in which fewer than this share of the
+    # sequences keep a token trains on nothing (every token leaves the loss mask, so the learner
+    # takes no optimizer step) rather than a full step on the few left; 0 = off (the reference)
+    min_kept_share: float = 0.0
 
     def validate(self, prefix: str = "correction.rejection") -> None:
         _enum(f"{prefix}.level", ISLevel, self.level)
         _bounds(prefix, self.lower, self.upper)
         check_range(f"{prefix}.veto_threshold", self.veto_threshold, lo=0.0, hi=1.0)
+        check_range(f"{prefix}.min_kept_share", self.min_kept_share, lo=0.0, hi=1.0)
 
 
 @dataclass

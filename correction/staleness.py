@@ -106,7 +106,8 @@ def staleness_correct(sampler_logp: Tensor, dense_logp_v: Tensor, dense_logp_new
     out = MethodOutput(sp.weights * w_st, keep, sp.truncated, sp.masked, sp.rejected,
                        sp.vetoed, normalize=sp.normalize,
                        normalize_over_valid=sp.normalize_over_valid,
-                       normalize_per_sequence=sp.normalize_per_sequence)
+                       normalize_per_sequence=sp.normalize_per_sequence,
+                       min_kept_share=sp.min_kept_share)
     weights, loss_mask, metrics = finish(out, valid, lr_sp.dtype)
     metrics.update(mismatch_metrics(sampler_logp, dense_logp_v, valid, cfg.log_ratio_clamp))
     metrics.update(mismatch_metrics(dense_logp_v, dense_logp_new, valid, cfg.log_ratio_clamp,

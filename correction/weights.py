@@ -30,6 +30,9 @@ sparse_rl (default; Sparse-RL: sparsity-aware rejection sampling + importance re
        ``valid`` takes every valid token before rejection instead, as the public Sparse-RL code
        does (with mode mask, their out-of-band weights count there too, as in the reference);
        the kept weights then average about, not exactly, 1.
+    4. floor (``rejection.min_kept_share`` = f > 0; not in the reference): if fewer than a share
+       f of the batch's sequences keep a token after steps 1-2, no token is kept, so the batch
+       makes no optimizer step instead of a full one on the few sequences left.
 none          w_t = 1, nothing rejected.
 tis           w_t = min(rho_t, tis.cap) (cap 2.0; truncated IS, Yao et al. 2025), nothing rejected.
 icepop        w_t = rho_t * 1[icepop.lower <= rho_t <= icepop.upper] (masked IS, IcePop); masked
@@ -77,6 +80,7 @@ class MethodOutput:
     normalize: bool = False     # rescale to mean 1 over kept tokens
     normalize_over_valid: bool = False   # ... over all valid tokens (pre-rejection) instead
     normalize_per_sequence: bool = False  # ... each sequence's mean weight counted once
+    min_kept_share: float = 0.0  # below this share of sequences keeping a token, keep nothing
 
 
 def log_ratio(sampler_logp: Tensor, old_logp: Tensor, valid: Tensor) -> Tensor:
@@ -181,7 +185,8 @@ def method_sparse_rl(lr: Tensor, valid: Tensor, cfg: CorrectionConfig) -> Method
     keep, rejected, vetoed = rejection_mask(lr, valid, cfg.rejection)
     if not cfg.is_.enabled:  # rejection alone
         no_tok = torch.zeros_like(valid)
-        return MethodOutput(valid.to(lr.dtype), keep, no_tok, no_tok, rejected, vetoed)
+        return MethodOutput(valid.to(lr.dtype), keep, no_tok, no_tok, rejected, vetoed,
+                            min_kept_share=cfg.rejection.min_kept_share)
     w, truncated, masked = importance_weights(lr, valid, cfg.is_, cfg.log_ratio_clamp)
     if ISMode(cfg.is_.mode) == ISMode.MASK:
         # out of band: out of the loss mask; the weight keeps its (safety-bounded) value, which
@@ -193,7 +198,8 @@ def method_sparse_rl(lr: Tensor, valid: Tensor, cfg: CorrectionConfig) -> Method
     return MethodOutput(w, keep, truncated, masked, rejected, vetoed, normalize=cfg.is_.normalize,
                         normalize_over_valid=NormalizeOver(cfg.is_.normalize_over)
                         == NormalizeOver.VALID,
-                        normalize_per_sequence=ISLevel(cfg.is_.level) != ISLevel.TOKEN)
+                        normalize_per_sequence=ISLevel(cfg.is_.level) != ISLevel.TOKEN,
+                        min_kept_share=cfg.rejection.min_kept_share)
 
 
 def method_none(lr: Tensor, valid: Tensor, cfg: CorrectionConfig) -> MethodOutput:
@@ -255,9 +261,15 @@ def check_inputs(sampler_logp: Tensor, old_logp: Tensor, mask: Tensor,
 
 def finish(out: MethodOutput, valid: Tensor, dtype: torch.dtype,
            prefix: str = "correction/") -> tuple[Tensor, Tensor, dict[str, float]]:
-    """Zero the weights off ``keep``, normalise if asked, and compute the correction/* metrics.
-    Returns (weights detached, loss_mask float, metrics)."""
+    """Apply the floor (``out.min_kept_share``), zero the weights off ``keep``, normalise if
+    asked, and compute the correction/* metrics. Returns (weights detached, loss_mask float,
+    metrics)."""
     keep = out.keep & valid
+    has = valid.any(dim=1)
+    seqs_kept = frac((keep.any(dim=1) & has).sum(), has.sum())
+    floored = out.min_kept_share > 0 and bool(has.any()) and seqs_kept < out.min_kept_share
+    if floored:
+        keep = torch.zeros_like(keep)
     scale = 1.0
     if out.normalize:
         over = valid if out.normalize_over_valid else keep
@@ -267,7 +279,6 @@ def finish(out: MethodOutput, valid: Tensor, dtype: torch.dtype,
         weights = zero_outside(out.weights, keep)
     weights = weights.detach().to(dtype)
     n_valid, n_keep = valid.sum(), keep.sum()
-    has = valid.any(dim=1)
     vetoed = out.vetoed & has
     mean_w = float(masked_mean(weights, keep))
     mean_w2 = float(masked_mean(weights * weights, keep))
@@ -285,6 +296,8 @@ def finish(out: MethodOutput, valid: Tensor, dtype: torch.dtype,
         "frac_vetoed": frac(vetoed.sum(), has.sum()),
         "frac_vetoed_tokens": frac((valid & vetoed[:, None]).sum(), n_valid),
         "frac_kept": frac(n_keep, n_valid),
+        "frac_seqs_kept": seqs_kept,          # before the floor
+        "batch_floored": float(floored),      # 1: under the floor, nothing kept
         "num_valid_tokens": float(n_valid),
         "num_kept_tokens": float(n_keep),
         "num_seqs": float(valid.shape[0]),

@@ -102,6 +102,8 @@ STEP_COLUMNS = ("step", "reward", "response_len", "kept_ratio", "correction/frac
 # which the reward and loss alone do not tell apart from a hard task.
 CORRECTION_SHARES = (("correction/frac_vetoed", "correction_frac_vetoed"),
                      ("correction/frac_rejected", "correction_frac_rejected"))
+# Steps whose batch fell under correction.rejection.min_kept_share (trained on nothing).
+FLOORED = "correction/batch_floored"
 
 
 class MetricsLog:
@@ -127,6 +129,7 @@ class MetricsLog:
         self._bar = None
         self._kv: list[tuple[float, float]] = []  # (bytes per sequence, vs dense) per step
         self._shares: dict[str, list[float]] = {key: [] for key, _ in CORRECTION_SHARES}
+        self._floored = 0   # steps under the correction's kept-share floor
 
     def steps(self, first: int, last: int):
         """``range(first, last + 1)``, behind a progress bar when ``progress_on``."""
@@ -153,6 +156,7 @@ class MetricsLog:
         for key, values in self._shares.items():
             if key in record:
                 values.append(float(record[key]))
+        self._floored += int(record.get(FLOORED, 0) > 0)
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
         self.sinks.write(record)
@@ -180,7 +184,8 @@ class MetricsLog:
                        "rollout_kv_vs_dense": sum(r for _, r in self._kv) / len(self._kv)}
         shares = {name: sum(self._shares[key]) / len(self._shares[key])
                   for key, name in CORRECTION_SHARES if self._shares[key]}
-        summary = {**summary, **shares}
+        summary = {**summary, **shares, **({"correction_steps_floored": self._floored}
+                                           if self._floored else {})}
         (self.path.parent / "summary.json").write_text(json.dumps(summary, indent=2))
         self.close()
         print(f"steps: {summary['steps']} (policy version {summary['version']})")
@@ -190,9 +195,11 @@ class MetricsLog:
                 print(f"{name}: {acc:.3f}")
         if len(shares) == len(CORRECTION_SHARES):
             steps = len(self._shares[CORRECTION_SHARES[0][0]])
+            floored = (f"; {self._floored} of {steps} steps under rejection.min_kept_share, "
+                       "no optimizer step" if self._floored else "")
             print(f"correction: {shares['correction_frac_vetoed']:.1%} of sequences vetoed, "
                   f"{shares['correction_frac_rejected']:.1%} of tokens rejected (mean over "
-                  f"{steps} steps)")
+                  f"{steps} steps){floored}")
         if self._kv:
             print(f"rollout KV: {summary['rollout_kv_bytes_per_seq'] / 1024:.0f} KiB per sequence "
                   f"at peak, {summary['rollout_kv_vs_dense']:.2f} of a dense cache (mean over "

@@ -139,6 +139,7 @@ USED = {
     "correction.is_.normalize": "correction/weights.py",
     "correction.is_.normalize_over": "correction/weights.py",
     "correction.rejection.enabled": "correction/weights.py",
+    "correction.rejection.min_kept_share": "correction/weights.py",
     "correction.rejection.level": "correction/weights.py",
     "correction.rejection.lower": "correction/weights.py",
     "correction.rejection.upper": "correction/weights.py",

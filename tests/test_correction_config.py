@@ -42,6 +42,7 @@ def test_omegaconf_structured_with_yaml_strings():
     ("rejection.lower", 1.5, "correction.rejection.lower"),
     ("rejection.upper", 0.4, "correction.rejection.upper"),
     ("rejection.veto_threshold", -1.0, "correction.rejection.veto_threshold"),
+    ("rejection.min_kept_share", 1.5, "correction.rejection.min_kept_share"),
     ("is_.upper", 0.5, "correction.is_.upper"),
     ("is_.mode", "chop", "correction.is_.mode"),
     ("is_.normalize_over", "all", "correction.is_.normalize_over"),

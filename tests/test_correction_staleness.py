@@ -87,6 +87,20 @@ def test_samples_beyond_max_lag_are_rejected():
     assert r.weights[:2].mean().item() == pytest.approx(1.0)
 
 
+def test_kept_share_floor_counts_the_samples_too_stale():
+    """rejection.min_kept_share is applied after the lag bound: 2 of 3 samples kept (one too
+    stale) passes a floor of 0.6 and keeps nothing under one of 0.7."""
+    s, v, n = logps([[1.0, 1.0]] * 3, [[1.0, 1.0]] * 3)
+    version = torch.tensor([10, 8, 7])
+    for floor, kept in ((0.6, 4), (0.7, 0)):
+        cfg = CorrectionConfig(staleness=StalenessConfig(max_lag=2))
+        cfg.rejection.min_kept_share = floor
+        r = staleness_correct(s, v, n, torch.ones(3, 2), version, 10, cfg)
+        assert r.loss_mask.sum() == kept
+        assert r.metrics["correction/frac_seqs_kept"] == pytest.approx(2 / 3)
+        assert r.metrics["correction/batch_floored"] == float(kept == 0)
+
+
 def test_per_sample_new_version_and_errors():
     s, v, n = logps([[1.0], [1.0]], [[1.0], [1.0]])
     r = staleness_correct(s, v, n, torch.ones(2, 1), torch.tensor([1, 1]), torch.tensor([2, 9]),

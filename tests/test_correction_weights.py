@@ -143,6 +143,36 @@ def test_veto_removes_exactly_its_sequence():
     assert r.metrics["correction/frac_vetoed_tokens"] == pytest.approx(4 / 9)
 
 
+def test_kept_share_floor_keeps_nothing_below_it_and_changes_nothing_above():
+    """rejection.min_kept_share: with 1 of 3 sequences left after the veto (share 1/3) a floor
+    above 1/3 keeps no token (weights 0, batch_floored 1); at or below 1/3 the result is the
+    floor-less one; 0 (the default) is off."""
+    rho = [[1.0, 1e-5, 1.0], [1.1, 1.0, 1e-6], [1.0, 1.2, None]]
+    base = correct(*batch(rho), CorrectionConfig())
+    assert base.loss_mask.tolist() == [[0, 0, 0], [0, 0, 0], [1, 1, 0]]
+    assert base.metrics["correction/frac_seqs_kept"] == pytest.approx(1 / 3)
+    assert base.metrics["correction/batch_floored"] == 0.0
+    for floor in (0.2, 1 / 3):
+        r = correct(*batch(rho), CorrectionConfig(rejection=RejectionConfig(min_kept_share=floor)))
+        assert torch.equal(r.loss_mask, base.loss_mask) and torch.equal(r.weights, base.weights)
+        assert r.metrics == base.metrics
+    r = correct(*batch(rho), CorrectionConfig(rejection=RejectionConfig(min_kept_share=0.34)))
+    assert r.loss_mask.sum() == 0 and r.weights.abs().sum() == 0
+    assert r.metrics["correction/batch_floored"] == 1.0
+    assert r.metrics["correction/frac_seqs_kept"] == pytest.approx(1 / 3)   # before the floor
+    assert r.metrics["correction/frac_vetoed"] == pytest.approx(2 / 3)      # the veto's own
+    assert r.metrics["correction/frac_kept"] == 0.0
+    # the band counts too: a sequence whose every token is rejected keeps nothing
+    rho = [[1.0, 1.0], [2.0, 0.4], [1.0, 1.0]]
+    cfg = CorrectionConfig(rejection=RejectionConfig(min_kept_share=0.7))
+    r = correct(*batch(rho), cfg)
+    assert r.metrics["correction/frac_seqs_kept"] == pytest.approx(2 / 3)
+    assert r.loss_mask.sum() == 0
+    # a batch with no valid token is not "floored": there was nothing to keep
+    empty = correct(*batch([[None, None]]), cfg)
+    assert empty.metrics["correction/batch_floored"] == 0.0
+
+
 def test_veto_threshold_and_disabled_rejection():
     rho = [[1.0, 2e-4], [1.0, 1.0]]
     cfg = CorrectionConfig(rejection=RejectionConfig(lower=1e-6, upper=10.0, veto_threshold=1e-4))

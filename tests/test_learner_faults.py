@@ -106,3 +106,30 @@ def test_saves_refuse_nonfinite_weights(learner_model_dir, tmp_path, stage):
     with pytest.raises(TrainingFault, match="refusing to save"):
         a.save_hf(str(tmp_path / "hf"))
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "hf").exists()
+
+
+def test_a_batch_under_the_kept_share_floor_makes_no_optimizer_step(learner_model_dir,
+                                                                     learner_batch):
+    """correction.rejection.min_kept_share: one sequence vetoed leaves 11 of 12; under a floor
+    of 0.92 prepare_batch keeps no token and the learner takes no optimizer step (weights,
+    moments, lr bitwise unchanged, not counted as a fault); under 0.9 it steps."""
+    from learner.testing import train
+
+    batch = {k: v.clone() for k, v in learner_batch.items()}
+    i = int(batch["response_mask"][0].nonzero()[0])
+    batch["sampler_logprobs"][0, i] = batch["old_logprobs"][0, i] + 12.0   # rho = e^-12 < 1e-4
+    for floor, steps in ((0.92, 0), (0.9, 2)):
+        corr = CorrectionConfig()
+        corr.rejection.min_kept_share = floor
+        lrn = Learner(LearnerConfig(zero_stage=0, lr=1e-2, micro_batch_size=3, mini_batches=2),
+                      corr, learner_model_dir, master_port=_PORT)
+        before = _state(lrn)
+        m = train(lrn, batch)
+        assert m["correction/frac_seqs_kept"] == pytest.approx(11 / 12)
+        assert m["correction/batch_floored"] == float(steps == 0)
+        assert m["learner/optimizer_steps"] == steps and m["learner/skipped_steps"] == 0
+        after = _state(lrn)
+        if steps == 0:
+            assert _same(before, after) == []
+        else:  # Adam's moments appear with the first step; the weights moved
+            assert any(not torch.equal(before[k], after[k]) for k in before if k[:2] == "w:")

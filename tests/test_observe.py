@@ -225,6 +225,20 @@ def test_summary_reports_the_correction_shares_and_the_step_line_the_vetoed_shar
     assert saved["correction_frac_rejected"] == pytest.approx(0.03)
 
 
+def test_summary_counts_the_steps_under_the_kept_share_floor(tmp_path, capsys):
+    log = MetricsLog(tmp_path, RunConfig(tensorboard=False, progress=False))
+    for step, floored in ((1, 0.0), (2, 1.0), (3, 1.0)):
+        log.write({"step": step, "correction/frac_vetoed": 0.5, "correction/frac_rejected": 0.0,
+                   "correction/batch_floored": floored})
+    log.summary({"steps": 3, "version": 3, "time_s": 1.0, "accuracy_before": 0.25,
+                 "accuracy_after": 0.25, "eval_after": {"eval/accuracy": 0.25}})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2] == ("correction: 50.0% of sequences vetoed, 0.0% of tokens rejected (mean "
+                         "over 3 steps); 2 of 3 steps under rejection.min_kept_share, no "
+                         "optimizer step")
+    assert json.loads((tmp_path / "summary.json").read_text())["correction_steps_floored"] == 2
+
+
 def test_summary_without_rollout_kv_prints_no_kv_line(tmp_path, capsys):
     log = MetricsLog(tmp_path, RunConfig(tensorboard=False, progress=False))
     log.summary({"steps": 0, "version": 0, "time_s": 1.0, "accuracy_before": 0.25,
