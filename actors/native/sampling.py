@@ -25,15 +25,15 @@ def truncate(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return scaled
 
 
-
 def processed_logprobs(logits: torch.Tensor, temperature: float, top_k: int,
                        top_p: float) -> torch.Tensor:
     """log_softmax over the last axis of the distribution sampling draws from (``processed``):
-    logits / T, top-k then top-p truncated; greedy (T = 0) ``log_softmax(logits)``. Teacher-forced
-    replays, their reference and the probes' dense reference read log-probs through it."""
+    logits / T, top-k then top-p truncated; greedy (T = 0) ``log_softmax(logits)``. ``sample``,
+    teacher-forced replays, their reference and the probes' dense reference read it."""
     if temperature == 0:
         return torch.log_softmax(logits, dim=-1)
     return torch.log_softmax(truncate(logits / temperature, top_k, top_p), dim=-1)
+
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of probs [B,V] by inverting the CDF: the first index whose cumulative mass
@@ -53,15 +53,14 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
 def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, mode: str,
            generator: torch.Generator | None):
     """logits [B,V] float32 -> (tokens [B] long, logprobs [B] float32)."""
+    processed = processed_logprobs(logits, temperature, top_k, top_p)
     if temperature == 0:
-        logp = torch.log_softmax(logits, dim=-1)
-        tok = logp.argmax(dim=-1)
-        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
-    scaled = logits / temperature
-    # top_k = 0 and top_p = 1 (the RL default): no sort, no truncation, and the raw and processed
+        tok = processed.argmax(dim=-1)
+        return tok, processed.gather(-1, tok[:, None]).squeeze(-1)
+    tok = draw(processed.exp(), generator)
+    # top_k = 0 and top_p = 1 (the RL default): truncate is a no-op, and the raw and processed
     # distributions are the same one, so one log-softmax serves both
     plain = not (top_k and top_k < logits.shape[-1]) and top_p >= 1.0
-    processed = torch.log_softmax(scaled if plain else truncate(scaled, top_k, top_p), dim=-1)
-    tok = draw(processed.exp(), generator)
-    logp = processed if mode == "processed" or plain else torch.log_softmax(scaled, dim=-1)
+    logp = processed if mode == "processed" or plain else torch.log_softmax(logits / temperature,
+                                                                            dim=-1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
