@@ -336,8 +336,9 @@ class RolloutConfig:
     kv: KVConfig = field(default_factory=KVConfig)
     # Also record pi_dense^v, the dense teacher-forced log-probs of each sample under the weights
     # that generated it (row key ``dense_sampler_logprobs``), for the staleness split
-    # (``correction.staleness.enabled``). Costs one dense forward over prompt + response per
-    # sample, in forwards of ``dense_micro_batch`` rows; off unless the split needs it.
+    # (``correction.staleness.enabled``), or as the old log-probs themselves when there is no
+    # scorer pool (``scorer.num_actors: 0``). Costs one dense forward over prompt + response per
+    # sample, in forwards of ``dense_micro_batch`` rows, on the rollout actor after generation.
     dense_logprobs: bool = False
     dense_micro_batch: int = 16
     vllm: VLLMConfig = field(default_factory=VLLMConfig)   # rollout.engine=vllm only
@@ -440,6 +441,9 @@ class RolloutConfig:
 
 @dataclass
 class ScorerConfig:
+    # 0: no scorer pool; each rollout actor's dense pass over its own samples
+    # (rollout.dense_logprobs) gives the old log-probs, at the sampler's policy version
+    # (docs/CORRECTION.md, "Old log-probs without a scorer pool").
     num_actors: int = 1
     micro_batch: int = 16
     dtype: Dtype = Dtype.float32
@@ -448,6 +452,6 @@ class ScorerConfig:
         _coerce(self, "scorer", {"dtype": Dtype})
 
     def validate(self, prefix: str = "scorer") -> None:
-        check_range(f"{prefix}.num_actors", self.num_actors, lo=1)
+        check_range(f"{prefix}.num_actors", self.num_actors, lo=0)
         check_range(f"{prefix}.micro_batch", self.micro_batch, lo=1)
         _enum(f"{prefix}.dtype", Dtype, self.dtype)

@@ -91,23 +91,43 @@ class TrainConfig:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
+    def _check_scoring(self) -> None:
+        """Where the old log-probs come from: the scorer pool, or with ``scorer.num_actors=0``
+        the rollout actors' dense pass over their own samples (at the sampler's version)."""
+        split, dense = self.correction.staleness.enabled, self.rollout.dense_logprobs
+        if self.scorer.num_actors == 0:
+            if not dense:
+                raise ConfigError("rollout.dense_logprobs", dense, "true when scorer.num_actors=0 "
+                                  "(without scorers the rollout actors' dense pass gives the old "
+                                  "log-probs)")
+            if split:
+                raise ConfigError("correction.staleness.enabled", split, "false when "
+                                  "scorer.num_actors=0 (the old log-probs are then at the "
+                                  "sampler's version: no staleness to split off)")
+            if self.correction.loss.kl_coef > 0:
+                raise ConfigError("scorer.num_actors", 0, ">= 1 when correction.loss.kl_coef > 0 "
+                                  "(the scorers hold the reference policy)")
+            key, dtype = "rollout.dtype", self.rollout.dtype
+        else:
+            # The staleness split needs pi_dense at the sampler's version, which only the
+            # rollout computes (a dense forward per sample): both on, or both off.
+            if split != dense:
+                raise ConfigError("rollout.dense_logprobs", dense,
+                                  f"{str(split).lower()} when correction.staleness.enabled="
+                                  f"{str(split).lower()} (the split needs the rollout's dense "
+                                  "log-probs; without it they are a wasted forward)")
+            key, dtype = "scorer.dtype", self.scorer.dtype
+        # The old log-probs anchor the learner's PPO ratio: in another precision the ratio
+        # starts away from 1 (measured: max 1.29 at step 1 for bf16 vs float32).
+        if Dtype(dtype) != Dtype(self.learner.dtype):
+            raise ConfigError(key, Dtype(dtype).value,
+                              f"learner.dtype ({Dtype(self.learner.dtype).value}): the old "
+                              "log-probs must come from the precision the learner trains in")
+
     def validate(self) -> None:
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate(f.name)
-        # The staleness split needs pi_dense at the sampler's version, which only the rollout
-        # computes (a dense forward per sample): both on, or both off.
-        if self.correction.staleness.enabled != self.rollout.dense_logprobs:
-            want = self.correction.staleness.enabled
-            raise ConfigError("rollout.dense_logprobs", self.rollout.dense_logprobs,
-                              f"{str(want).lower()} when correction.staleness.enabled="
-                              f"{str(want).lower()} (the split needs the rollout's dense "
-                              "log-probs; without it they are a wasted forward)")
-        # The scorer's old log-probs anchor the learner's PPO ratio: in another precision the
-        # ratio starts away from 1 (measured: max 1.29 at step 1 for bf16 vs float32).
-        if Dtype(self.scorer.dtype) != Dtype(self.learner.dtype):
-            raise ConfigError("scorer.dtype", Dtype(self.scorer.dtype).value,
-                              f"learner.dtype ({Dtype(self.learner.dtype).value}): the scorer's "
-                              "old log-probs must come from the precision the learner trains in")
+        self._check_scoring()
         # mini-batches and learners both take whole GRPO groups (prompts) of a step's batch
         for key in ("mini_batches", "num_learners"):
             if getattr(self.learner, key) > self.run.prompts_per_step:

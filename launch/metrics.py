@@ -16,7 +16,9 @@ def batch_metrics(batch, learner_version: int, bin_tokens: int = 16,
     stored for the sequence (all layers, K and V). ``rollout/kv_vs_dense`` (given the engine's
     ``kv_bytes_per_token``): that mean over what a dense cache of the same rows holds, every
     prompt and response token (sum of peaks / sum of lengths x bytes per token); a dense run reads
-    just under 1 (its last sampled token is never cached).
+    just under 1 (its last sampled token is never cached). ``batch/anchor_lag_max``: versions
+    between the old log-probs (the PPO anchor) and the weights the step trained from: 0 with a
+    scorer pool, the staleness without one (``scorer.num_actors=0``).
     ``time/rollout_gen_s``: engine seconds that generated the batch, summed over rollout actors
     (each row carries its share of its engine call); ``rollout/tokens_per_s``: response tokens per
     engine second, i.e. one actor's generation throughput. (The driver's wait for a batch is no
@@ -26,12 +28,15 @@ def batch_metrics(batch, learner_version: int, bin_tokens: int = 16,
     lengths_ok = all(pc.all(pc.equal(pc.list_value_length(batch.column(c)),
                                      batch.column("response_len"))).as_py()
                      for c in ("sampler_logprobs", "old_logprobs"))
-    lag = learner_version - 1 - batch.column("policy_version").to_numpy()  # version trained on
+    trained = learner_version - 1                            # the version the step trained from
+    lag = trained - batch.column("policy_version").to_numpy()
+    anchor = trained - batch.column("scorer_version").to_numpy()
     out = {"reward": float(pc.mean(batch.column("reward")).as_py()),
             "response_len": float(pc.mean(batch.column("response_len")).as_py()),
             "kept_ratio": float(pc.mean(batch.column("kept_ratio")).as_py()),
             "batch/logprob_lengths_match": lengths_ok,
-            "batch/staleness_mean": float(lag.mean()), "batch/staleness_max": int(lag.max())}
+            "batch/staleness_mean": float(lag.mean()), "batch/staleness_max": int(lag.max()),
+            "batch/anchor_lag_max": int(anchor.max())}
     tokens = int(pc.sum(batch.column("response_len")).as_py() or 0)
     gen_s = float(pc.sum(batch.column("gen_time_s")).as_py() or 0.0)
     out.update({"batch/response_tokens": tokens, "time/rollout_gen_s": gen_s,

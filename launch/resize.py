@@ -8,7 +8,8 @@ the buffer (so no actor with work is removed and no sample is lost), grows or sh
 ``cluster.elastic.resize_pool`` (new actors get the learner's current weights; on KubeRay, actors
 that do not fit make the autoscaler add worker pods up to the group's ``maxReplicas``), records the
 new sizes in the run's config (checkpoints and a resumed run keep them) and deletes the file. A
-request it cannot apply (bad JSON, a pool it does not know, a size below 1) is renamed to
+request it cannot apply (bad JSON, a pool it does not know, a size below 1, a scorer pool the run
+was started without) is renamed to
 ``resize.json.rejected`` with the reason printed; the run goes on unchanged.
 """
 from __future__ import annotations
@@ -61,6 +62,9 @@ def apply_requested(run_dir: str | Path, in_flight, pools, cfg, version: int, no
         return {}
     try:
         sizes = parse_request(json.loads(path.read_text()))
+        if "scorer" in sizes and cfg.scorer.num_actors == 0:  # the anchor's version would change
+            raise ValueError("this run has no scorer pool (scorer.num_actors=0: its rollout "
+                             "actors score their own samples), so it cannot be resized")
     except ValueError as err:  # json.JSONDecodeError is a ValueError too
         os.replace(path, path.with_name(REQUEST + ".rejected"))
         print(f"[resize] {path} rejected: {err}", flush=True)

@@ -3,7 +3,8 @@
 ``PromptSampler`` orders the training prompts (seeded, resumable); ``fill_rollouts`` keeps the
 in-flight queue full (sync: one batch; async: ``run.rollouts_ahead``), ``gather_rollouts`` waits for
 the oldest batch (replacing a rollout actor that died), ``land_rollouts`` puts every batch still in
-flight into the buffer (before a checkpoint or a resize). ``split``/``launch`` fan work out over a pool.
+flight into the buffer (before a checkpoint or a resize); without a scorer pool ``own_scores`` makes
+the rollout actors' dense pass the rows' old log-probs. ``split``/``launch`` fan work out over a pool.
 """
 from __future__ import annotations
 
@@ -164,4 +165,15 @@ def gather_rollouts(in_flight: list[tuple], pools, cfg, version: int) -> list:
                   f"{replace_dead(pools, cfg)}", flush=True)
             rows += ray.get(pools.rollout[i].rollout.remote(chunk, _row_version(pools, version),
                                                              batch))
+    return own_scores(rows) if cfg.scorer.num_actors == 0 else rows
+
+
+def own_scores(rows: list[dict]) -> list[dict]:
+    """Rows of a run without a scorer pool (``scorer.num_actors=0``): each row's dense pass on its
+    rollout actor (``dense_sampler_logprobs``: pi_dense at the sampler's version v) becomes its
+    old log-probs, scored at v, so the buffer takes the rows as scored (``ReplayBuffer.append``)
+    and step 6b has nothing to do."""
+    for row in rows:
+        row["old_logprobs"] = row.pop("dense_sampler_logprobs")
+        row["scorer_version"] = row["policy_version"]
     return rows

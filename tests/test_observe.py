@@ -155,6 +155,7 @@ def test_batch_metrics_rollout_throughput_from_engine_time():
     batch = pa.table({"reward": [1.0, 0.0], "response_len": [3, 5], "kept_ratio": [0.5, 1.0],
                       "sampler_logprobs": [[0.0] * 3, [0.0] * 5],
                       "old_logprobs": [[0.0] * 3, [0.0] * 5], "policy_version": [1, 1],
+                      "scorer_version": [1, 1],
                       "gen_time_s": [0.25, 0.25],    # each row's share of one 0.5 s engine call
                       "peak_kv_bytes": [1000, 3000]})
     m = batch_metrics(batch, 2)
@@ -176,7 +177,8 @@ def test_rollout_kv_vs_dense_counts_every_token_of_the_rows_that_carry_a_peak():
                       "prompt_len": [2, 3, 4], "kept_ratio": [0.5, 1.0, 1.0],
                       "sampler_logprobs": [[0.0] * 3, [0.0] * 5, [0.0] * 7],
                       "old_logprobs": [[0.0] * 3, [0.0] * 5, [0.0] * 7],
-                      "policy_version": [1, 1, 1], "gen_time_s": [0.1, 0.1, 0.1],
+                      "policy_version": [1, 1, 1], "scorer_version": [1, 1, 1],
+                      "gen_time_s": [0.1, 0.1, 0.1],
                       "peak_kv_bytes": pa.array([40, 60, None], pa.int64())})
     # rows 0 and 1 carry a peak: (40 + 60) bytes over (2 + 3 + 3 + 5) tokens x 10 bytes
     assert kv_vs_dense(batch, 10) == pytest.approx(100 / 130)

@@ -24,14 +24,18 @@ def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
                           env=train_env(tmp_path), capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+# async runs with the staleness split (launch/configs/async.yaml's keys); "own": async without a
+# scorer pool, the rollout actors' dense pass giving the old log-probs (reasoning-quick.yaml's)
+MODES = {"sync": [], "async": ["rollout.dense_logprobs=true", "correction.staleness.enabled=true"],
+         "own": ["rollout.dense_logprobs=true", "scorer.num_actors=0"]}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 def test_train_runs_end_to_end(tiny_model, tmp_path, mode):
     steps = 3
-    # async runs with the staleness split (launch/configs/async.yaml's keys)
-    split = ["rollout.dense_logprobs=true", "correction.staleness.enabled=true"] \
-        if mode == "async" else []
-    proc = _run([f"run.mode={mode}", f"rollout.model_path={tiny_model}", f"run.steps={steps}",
-                 *SMALL_JOB, *split, f"run.out_dir={tmp_path / 'runs'}"], tmp_path)
+    run_mode = "sync" if mode == "sync" else "async"
+    proc = _run([f"run.mode={run_mode}", f"rollout.model_path={tiny_model}", f"run.steps={steps}",
+                 *SMALL_JOB, *MODES[mode], f"run.out_dir={tmp_path / 'runs'}"], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("held-out accuracy: ") and " -> " in last
@@ -51,6 +55,8 @@ def test_train_runs_end_to_end(tiny_model, tmp_path, mode):
     lags = [r["batch/staleness_max"] for r in train]
     assert lags == ([0] * steps if mode == "sync" else [0] + [1] * (steps - 1))
     assert [r["correction/staleness_split"] for r in train] == [float(mode == "async")] * steps
+    # the PPO anchor: scored at the learner's version, or without scorers at the sampler's
+    assert [r["batch/anchor_lag_max"] for r in train] == (lags if mode == "own" else [0] * steps)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["version"] == steps
     # the rollout KV against a dense cache, per step and as the summary's mean, beside the accuracy

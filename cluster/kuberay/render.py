@@ -116,6 +116,8 @@ def check_plan(dc: DeployConfig, cfg) -> None:
         need = 0.0
         for pool in on:
             n, req = pools[pool]
+            if n == 0:  # scorer.num_actors=0: no such actors to place
+                continue
             gpus = req.get("GPU", 0.0)
             if gpus <= 0:
                 raise ConfigError(f"cluster.{pool}_gpus", gpus, "> 0: the GPU deployment runs "
