@@ -164,7 +164,8 @@ def test_rows_landed_before_a_checkpoint_are_counted_and_counts_survive_a_resume
     pools = SimpleNamespace(buffer=SimpleNamespace(append=_Remote([], "append", appended.extend)))
     rows = [{"sample_id": "s0", "reward_fault": "timeout"}, {"sample_id": "s1", "reward_fault": None}]
     in_flight = [[(0, None, 4, rows)]]  # (actor, chunk, batch, ref): ray.get(ref) is the rows here
-    assert land_rollouts(in_flight, pools, None, 1, faults.rewards_of(4)) == 1
+    cfg = SimpleNamespace(scorer=SimpleNamespace(num_actors=1))  # rows go to the scorers
+    assert land_rollouts(in_flight, pools, cfg, 1, faults.rewards_of(4)) == 1
     assert in_flight == [[]] and appended == rows
     assert faults.metrics()["faults/reward_timeouts"] == 1
     faults.survived["faults/buffer_restarts"] = 1  # counted by launch/recovery.py

@@ -24,18 +24,14 @@ def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
                           env=train_env(tmp_path), capture_output=True, text=True, timeout=600)
 
 
-# async runs with the staleness split (launch/configs/async.yaml's keys); "own": async without a
-# scorer pool, the rollout actors' dense pass giving the old log-probs (reasoning-quick.yaml's)
-MODES = {"sync": [], "async": ["rollout.dense_logprobs=true", "correction.staleness.enabled=true"],
-         "own": ["rollout.dense_logprobs=true", "scorer.num_actors=0"]}
-
-
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", ["sync", "async"])
 def test_train_runs_end_to_end(tiny_model, tmp_path, mode):
     steps = 3
-    run_mode = "sync" if mode == "sync" else "async"
-    proc = _run([f"run.mode={run_mode}", f"rollout.model_path={tiny_model}", f"run.steps={steps}",
-                 *SMALL_JOB, *MODES[mode], f"run.out_dir={tmp_path / 'runs'}"], tmp_path)
+    # async runs with the staleness split (launch/configs/async.yaml's keys)
+    split = ["rollout.dense_logprobs=true", "correction.staleness.enabled=true"] \
+        if mode == "async" else []
+    proc = _run([f"run.mode={mode}", f"rollout.model_path={tiny_model}", f"run.steps={steps}",
+                 *SMALL_JOB, *split, f"run.out_dir={tmp_path / 'runs'}"], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("held-out accuracy: ") and " -> " in last
@@ -55,8 +51,8 @@ def test_train_runs_end_to_end(tiny_model, tmp_path, mode):
     lags = [r["batch/staleness_max"] for r in train]
     assert lags == ([0] * steps if mode == "sync" else [0] + [1] * (steps - 1))
     assert [r["correction/staleness_split"] for r in train] == [float(mode == "async")] * steps
-    # the PPO anchor: scored at the learner's version, or without scorers at the sampler's
-    assert [r["batch/anchor_lag_max"] for r in train] == (lags if mode == "own" else [0] * steps)
+    # the PPO anchor: scored by the scorer at the version the learner trains from
+    assert [r["batch/anchor_lag_max"] for r in train] == [0] * steps
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["version"] == steps
     # the rollout KV against a dense cache, per step and as the summary's mean, beside the accuracy
@@ -104,11 +100,15 @@ def test_async_rollouts_ahead_stage_weights_and_resume(tiny_model, tmp_path):
     learner by at most 2 versions; every broadcast is staged on the rollout actors and its staged
     checksum equals the learner's (each actor checks its model against that checksum when it swaps
     the weights in, before the rows it tags with that version); a checkpoint lands both in-flight
-    batches and a resumed run counts them as in flight and completes."""
+    batches and a resumed run counts them as in flight and completes. Without a scorer pool
+    (``scorer.num_actors=0``, reasoning-quick.yaml's): the rollout actors' dense pass scores every
+    row, those landed before the checkpoint too, at its own version (the anchor lags as the
+    samples do)."""
     steps = 4
     out = tmp_path / "runs"
     proc = _run(["run.mode=async", "run.rollouts_ahead=2", "buffer.max_staleness=2",
                  f"rollout.model_path={tiny_model}", f"run.steps={steps}", *SMALL_JOB,
+                 "scorer.num_actors=0", "rollout.dense_logprobs=true",
                  "run.checkpoint_every=2", "run.checkpoint_keep=0", "run.name=ahead",
                  f"run.out_dir={out}"], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -120,6 +120,8 @@ def test_async_rollouts_ahead_stage_weights_and_resume(tiny_model, tmp_path):
     assert [r["version"] for r in train] == list(range(1, steps + 1))
     assert train[0]["batch/staleness_max"] == 0  # batches 1 and 2 start from version 0's weights
     assert all(0 <= r["batch/staleness_max"] <= 2 for r in train)
+    assert [r["batch/anchor_lag_max"] for r in train] == [r["batch/staleness_max"] for r in train]
+    assert any(r["batch/anchor_lag_max"] > 0 for r in train)
     # every trained sample is tagged with the version of its actor's weights: within the bound
     for t in (json.loads(x) for x in (run_dir / "trained_samples.jsonl").read_text().splitlines()):
         tags = {int(s.split("-", 1)[0][1:]) for s in t["sample_ids"]}
