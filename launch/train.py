@@ -102,7 +102,8 @@ def main(argv: list[str]) -> dict:
         store.append(rows)
         t_roll = time.time() - t0
 
-        # 6b. Dense scorer: old-policy log-probs for every row waiting for them.
+        # 6b. Dense scorer: old-policy log-probs for the rows waiting (none when scorer.num_actors=0:
+        # the rollout actors' dense pass scored their own samples, at the sampler's version).
         score_pending(pools, cfg, version)
 
         # 6c. A batch of whole groups within the staleness bound -> padded tensors; GRPO advantages
