@@ -66,7 +66,9 @@ def load_run_config(argv: list[str]):
     else:
         ckpt = find_checkpoint(where)
     cfg = load_config(["--config", str(ckpt / "config.yaml"), *rest])
-    check_same_task(load_config(["--config", str(ckpt / "config.yaml")]), cfg, ckpt)
+    saved = load_config(["--config", str(ckpt / "config.yaml")])
+    check_same_task(saved, cfg, ckpt)
+    check_same_scoring(saved, cfg, ckpt)
     return cfg, ckpt
 
 
@@ -90,6 +92,17 @@ def check_same_task(saved, cfg, ckpt: Path) -> None:
             raise ConfigError("resume", str(ckpt), f"a checkpoint of this run's task and model: "
                               f"its {key} is {getattr(a, 'value', a)!r}, this run's is "
                               f"{getattr(b, 'value', b)!r}")
+
+
+def check_same_scoring(saved, cfg, ckpt: Path) -> None:
+    """ConfigError when a resume would switch between a scorer pool and none
+    (``scorer.num_actors=0``): rows the checkpoint landed may wait for a scorer that is no longer
+    there, and the PPO anchor's version would change mid-run. Other pool sizes may change."""
+    if (saved.scorer.num_actors == 0) != (cfg.scorer.num_actors == 0):
+        raise ConfigError("scorer.num_actors", cfg.scorer.num_actors,
+                          f"{'0' if saved.scorer.num_actors == 0 else '>= 1'}, as in the "
+                          f"checkpoint {ckpt} (a resumed run keeps where its old log-probs come "
+                          "from)")
 
 
 def _select(cfg, dotted: str):

@@ -17,11 +17,9 @@ def score_pending(pools, cfg, version: int) -> None:
     from cluster.elastic import replace_dead
     from launch.recovery import buffer
 
-    if cfg.scorer.num_actors == 0:  # rows come scored (launch.rollouts.own_scores)
-        left = buffer(pools).pending_scoring(1).num_rows
-        if left:
-            raise RuntimeError("the buffer holds rows waiting for a scorer, but scorer.num_actors="
-                               "0: a run resumed without the scorers it started with?")
+    if cfg.scorer.num_actors == 0:  # rows come scored (launch.rollouts.own_scores); a resume
+        if buffer(pools).pending_scoring(1).num_rows:  # cannot drop the scorers (checkpoint.py)
+            raise RuntimeError("rows wait for a scorer in a run without one (scorer.num_actors=0)")
         return
     for attempt in range(2):
         pending = buffer(pools).pending_scoring(cfg.buffer.capacity)

@@ -104,3 +104,15 @@ def test_kuberay_plans_no_scorer_group_slot():
     assert validate.problems(parsed, dc, load_config) == []
     cfg = load_training(dc, [], load_config)
     assert plan(cfg)["scorer"][0] == 0                     # no scorer asks for a GPU
+
+
+def test_a_resume_keeps_where_the_old_logprobs_come_from(tmp_path):
+    from launch.checkpoint import check_same_scoring
+
+    own, scored = load_config(OWN), load_config([])
+    check_same_scoring(own, load_config(OWN + ["rollout.num_actors=2"]), tmp_path)
+    check_same_scoring(scored, load_config(["scorer.num_actors=3"]), tmp_path)  # a size may change
+    for saved, now in ((scored, own), (own, load_config(["rollout.dense_logprobs=false"]))):
+        with pytest.raises(ConfigError) as e:
+            check_same_scoring(saved, now, tmp_path)
+        assert e.value.key == "scorer.num_actors" and str(tmp_path) in str(e.value)
